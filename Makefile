@@ -1,0 +1,30 @@
+# Every target creates .venv/ in the repository root and installs the package into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The pinned CPU build first: an unpinned torch would pull several GB of CUDA wheels.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,examples]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/custom_training_loop.py --strategy mirrored --epochs 10
+
+test: setup
+	$(PY) -m ruff check torch_distribute tests examples benchmarks
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,105 @@
+"""torch-distribute: the ``tf.distribute`` programming model for PyTorch custom training loops.
+
+>>> import torch, torch_distribute as td
+>>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+>>> with strategy.scope():
+...     model = torch.nn.Linear(4, 1)
+...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> def step(x, y):
+...     loss = td.compute_average_loss((model(x) - y).pow(2).squeeze(1), global_batch_size=8)
+...     loss.backward()
+...     optimizer.step()
+...     optimizer.zero_grad()
+...     return loss
+>>> batch = (torch.ones(8, 4), torch.zeros(8, 1))
+>>> for x, y in strategy.experimental_distribute_dataset([batch]):
+...     loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
+"""
+
+from torch_distribute.collectives import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from torch_distribute.context import (
+    ReplicaContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from torch_distribute.errors import (
+    CheckpointError,
+    ContextError,
+    DatasetError,
+    DistributeError,
+    InvalidArgumentError,
+    InvalidAxisError,
+    InvalidDeviceError,
+    InvalidReduceOpError,
+    ReplicaMismatchError,
+    UnmirroredStateError,
+)
+from torch_distribute.input import (
+    AutoShardPolicy,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+)
+from torch_distribute.losses import compute_average_loss, scale_regularization_loss
+from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.strategies import (
+    MirroredStrategy,
+    OneDeviceStrategy,
+    Strategy,
+    StrategyExtended,
+)
+from torch_distribute.values import DistributedValues, Mirrored, PerReplica
+
+# TEMP from torch_distribute import metrics  # noqa: E402,I001  (layer 7, built on the strategies)
+# TEMP from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoShardPolicy",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "ContextError",
+    "CrossDeviceOps",
+    "DatasetError",
+    "DistributeError",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "InvalidArgumentError",
+    "InvalidAxisError",
+    "InvalidDeviceError",
+    "InvalidReduceOpError",
+    "Mirrored",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "ReplicaMismatchError",
+    "Strategy",
+    "StrategyExtended",
+    "UnmirroredStateError",
+    "ValueContext",
+    "compute_average_loss",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "latest_checkpoint",
+    "metrics",
+    "scale_regularization_loss",
+]

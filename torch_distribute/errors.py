@@ -1,0 +1,47 @@
+"""Exception classes raised by torch-distribute.
+
+Every error the library raises on bad input is one of these, so callers can catch
+``td.DistributeError`` and the message always says what to change.
+"""
+
+from __future__ import annotations
+
+
+class DistributeError(Exception):
+    """Base class of every torch-distribute error."""
+
+
+class InvalidDeviceError(DistributeError, ValueError):
+    """A device string that cannot be parsed or is not available."""
+
+
+class InvalidReduceOpError(DistributeError, ValueError):
+    """A reduce op other than ``SUM`` or ``MEAN``."""
+
+
+class InvalidAxisError(DistributeError, ValueError):
+    """An axis out of range for the value it reduces or gathers."""
+
+
+class InvalidArgumentError(DistributeError, ValueError):
+    """An argument of the wrong kind (``args`` not a tuple, bad batch size, ...)."""
+
+
+class ContextError(DistributeError, RuntimeError):
+    """A call made in the wrong context (cross-replica vs replica, or the wrong scope)."""
+
+
+class ReplicaMismatchError(DistributeError, RuntimeError):
+    """Replicas disagreed: different nests returned, or a different number of merge calls."""
+
+
+class UnmirroredStateError(DistributeError, RuntimeError):
+    """A parameter not created in ``strategy.scope()`` was used by a multi-replica strategy."""
+
+
+class DatasetError(DistributeError, ValueError):
+    """A dataset that cannot be distributed (unbatched, empty, mixed batch sizes)."""
+
+
+class CheckpointError(DistributeError, OSError):
+    """A checkpoint that is missing, corrupt or does not match the objects it restores into."""

@@ -1,0 +1,27 @@
+"""Distributed input: split global batches across replicas, or one pipeline per replica."""
+
+from torch_distribute.input.batching import batch_sizes_for_worker
+from torch_distribute.input.distributed_dataset import (
+    DatasetFromFunction,
+    DistributedDataset,
+    DistributedIterator,
+)
+from torch_distribute.input.input_context import (
+    AutoShardPolicy,
+    InputContext,
+    InputOptions,
+    InputReplicationMode,
+    ValueContext,
+)
+
+__all__ = [
+    "AutoShardPolicy",
+    "DatasetFromFunction",
+    "DistributedDataset",
+    "DistributedIterator",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "ValueContext",
+    "batch_sizes_for_worker",
+]

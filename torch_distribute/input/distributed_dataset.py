@@ -1,0 +1,207 @@
+"""Distributed datasets: every step, one batch per replica, as ``PerReplica``.
+
+``DistributedDataset`` takes an iterable of *global* batches (a ``DataLoader``, a list, a
+generator; tensors, NumPy arrays, tuples, dicts) and cuts each along dim 0 into per-replica
+batches whose sizes differ by at most one, each moved to its replica's device. When a last
+batch has fewer rows than replicas, the replicas without rows get an *empty* batch (first
+dimension 0) so the step still runs on every replica and the summed loss equals one
+device's. ``DatasetFromFunction`` feeds each replica its own consecutive elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.errors import ContextError, DatasetError
+from torch_distribute.input.batching import (
+    batch_dim,
+    batch_sizes_for_worker,
+    empty_like_batch,
+    split_batch,
+    to_device,
+    to_tensors,
+)
+from torch_distribute.input.input_context import InputOptions
+from torch_distribute.values import regroup
+
+
+def _refuse_in_replica_context() -> None:
+    frames = context.current_frames()
+    if frames and frames[-1].replica_context is not None and not frames[-1].strategy._is_default:
+        raise ContextError(
+            "next(iterator) was called inside a replica function. Iterate the distributed "
+            "dataset outside strategy.run() and pass the batch in: strategy.run(step, args=(batch,))."
+        )
+
+
+class _DistributedIterable:
+    """What both distributed datasets share: devices, options, epochs."""
+
+    def __init__(
+        self,
+        devices: list[torch.device],
+        options: InputOptions | None,
+        sync_has_data: Callable[[bool], bool],
+    ):
+        self._devices = list(devices)
+        self._options = options or InputOptions()
+        self._sync_has_data = sync_has_data
+
+    @property
+    def num_local_replicas(self) -> int:
+        return len(self._devices)
+
+    def _place(self, pieces: list[Any]) -> Any:
+        if self._options.experimental_fetch_to_device:
+            pieces = [to_device(p, d) for p, d in zip(pieces, self._devices, strict=True)]
+        return regroup(pieces, always_wrap=True)
+
+
+class DistributedIterator:
+    """Iterator over a distributed dataset; ``next()`` gives the per-replica batches of one step."""
+
+    def __init__(self, next_step: Callable[[], Any], description: str):
+        self._next_step = next_step
+        self._description = description
+        self._steps = 0
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        _refuse_in_replica_context()
+        try:
+            value = self._next_step()
+        except StopIteration:
+            if self._steps == 0:
+                raise DatasetError(
+                    f"The dataset given to {self._description} produced no batches. Check that "
+                    "it is not empty (a generator can be iterated only once: pass a list, a "
+                    "DataLoader or a function that makes a new generator)."
+                ) from None
+            raise
+        self._steps += 1
+        return value
+
+    def get_next(self) -> Any:
+        return next(self)
+
+
+class DistributedDataset(_DistributedIterable):
+    """An iterable of global batches, split across replicas (and workers) at every step."""
+
+    def __init__(
+        self,
+        dataset: Iterable[Any],
+        devices: list[torch.device],
+        num_workers: int = 1,
+        worker_index: int = 0,
+        options: InputOptions | None = None,
+        sync_has_data: Callable[[bool], bool] = lambda has: has,
+    ):
+        if not hasattr(dataset, "__iter__"):
+            raise DatasetError(
+                f"experimental_distribute_dataset needs an iterable of global batches, got "
+                f"{type(dataset).__name__}."
+            )
+        if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(
+            dataset, torch.utils.data.IterableDataset
+        ) and hasattr(dataset, "__getitem__"):
+            raise DatasetError(
+                f"{type(dataset).__name__} is a map-style dataset of single examples; "
+                "distributed datasets take global batches. Wrap it: "
+                "torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH_SIZE)."
+            )
+        super().__init__(devices, options, sync_has_data)
+        self._dataset = dataset
+        self._num_workers = num_workers
+        self._worker_index = worker_index
+
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> DistributedIterator:
+        source = iter(self._dataset)
+        template: list[Any] = []
+
+        def next_step() -> Any:
+            try:
+                batch = to_tensors(next(source))
+                local = self._local_rows(batch)
+                has_data = True
+            except StopIteration:
+                has_data = False
+            if not self._sync_has_data(has_data):
+                raise StopIteration
+            if not has_data:
+                if not template:
+                    raise DatasetError("This worker received no data at all while others did.")
+                local = empty_like_batch(template[0])
+            if not template:
+                template.append(empty_like_batch(local))
+            sizes = batch_sizes_for_worker(batch_dim(local), 1, self.num_local_replicas, 0)
+            return self._place(split_batch(local, sizes))
+
+        return DistributedIterator(next_step, "experimental_distribute_dataset")
+
+    def _local_rows(self, batch: Any) -> Any:
+        """The rows of a global batch that this worker's replicas take."""
+        global_size = batch_dim(batch)
+        if self._num_workers == 1:
+            return batch
+        per_worker = [
+            sum(batch_sizes_for_worker(global_size, self._num_workers, self.num_local_replicas, w))
+            for w in range(self._num_workers)
+        ]
+        start = sum(per_worker[: self._worker_index])
+        return split_batch(batch, [start, per_worker[self._worker_index], global_size - start - per_worker[self._worker_index]])[1]
+
+
+class DatasetFromFunction(_DistributedIterable):
+    """One input pipeline per worker; each local replica takes its own consecutive element."""
+
+    def __init__(
+        self,
+        dataset: Iterable[Any],
+        devices: list[torch.device],
+        options: InputOptions | None = None,
+        sync_has_data: Callable[[bool], bool] = lambda has: has,
+    ):
+        if not hasattr(dataset, "__iter__"):
+            raise DatasetError(
+                f"dataset_fn must return an iterable of per-replica batches, got {type(dataset).__name__}."
+            )
+        super().__init__(devices, options, sync_has_data)
+        self._dataset = dataset
+
+    def __len__(self) -> int:
+        return -(-len(self._dataset) // self.num_local_replicas)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        source = iter(self._dataset)
+        template: list[Any] = []
+
+        def next_step() -> Any:
+            elements = []
+            for _ in range(self.num_local_replicas):
+                try:
+                    element = to_tensors(next(source))
+                except StopIteration:
+                    break
+                batch_dim(element)
+                elements.append(element)
+            if not self._sync_has_data(bool(elements)):
+                raise StopIteration
+            if elements and not template:
+                template.append(empty_like_batch(elements[0]))
+            if not template:
+                raise DatasetError("This worker received no data at all while others did.")
+            while len(elements) < self.num_local_replicas:
+                elements.append(template[0])
+            return self._place(elements)
+
+        return DistributedIterator(next_step, "distribute_datasets_from_function")

@@ -1,0 +1,85 @@
+"""Loss scaling for synchronous training: divide by the *global* batch, sum across replicas.
+
+Gradients are SUMMED across replicas, so each replica's loss must be its share of the mean
+over the global batch: ``sum(per_example_loss) / global_batch_size``. Then the summed
+gradient is exactly the gradient of the mean loss over the whole global batch, as on one
+device.
+
+Always pass ``global_batch_size``. Without it the global batch is guessed as
+``local_batch × num_replicas``, which is wrong on a ragged last batch (7 examples over 2
+replicas: one replica has 4, the other 3; neither 4×2 nor 3×2 is 7) and on empty replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.errors import ContextError, InvalidArgumentError
+
+
+def _require_replica_context(name: str) -> context.ReplicaContext:
+    if context.in_cross_replica_context():
+        raise ContextError(
+            f"td.{name}() was called in cross-replica context; call it inside the function "
+            "given to strategy.run() (replica context)."
+        )
+    replica = context.get_replica_context()
+    assert replica is not None
+    return replica
+
+
+def compute_average_loss(
+    per_example_loss: torch.Tensor,
+    sample_weight: torch.Tensor | float | None = None,
+    global_batch_size: int | None = None,
+) -> torch.Tensor:
+    """``sum(per_example_loss * sample_weight) / global_batch_size`` (0 when it is 0).
+
+    >>> import torch, torch_distribute as td
+    >>> td.compute_average_loss(torch.tensor([1.0, 2.0, 3.0]), global_batch_size=6)
+    tensor(1.)
+    """
+    replica = _require_replica_context("compute_average_loss")
+    loss = torch.as_tensor(per_example_loss)
+    if loss.dim() == 0:
+        raise InvalidArgumentError(
+            "compute_average_loss expects per-example losses (a tensor with a batch dimension), "
+            "got a scalar: compute the loss with reduction='none'."
+        )
+    if sample_weight is not None:
+        loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
+    if global_batch_size is None:
+        global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
+    elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
+        if isinstance(global_batch_size, torch.Tensor) and global_batch_size.dim() == 0 and not global_batch_size.is_floating_point():
+            global_batch_size = int(global_batch_size)
+        else:
+            raise InvalidArgumentError(
+                f"global_batch_size must be an int, got {type(global_batch_size).__name__}."
+            )
+    if global_batch_size < 0:
+        raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}.")
+    total = loss.sum()
+    if global_batch_size == 0:
+        return total * 0.0
+    return total / global_batch_size
+
+
+def scale_regularization_loss(regularization_loss: torch.Tensor | list[torch.Tensor] | Any) -> torch.Tensor:
+    """``sum(regularization_loss) / num_replicas_in_sync``: counted once after the SUM.
+
+    >>> import torch, torch_distribute as td
+    >>> td.scale_regularization_loss([torch.tensor(1.0), torch.tensor(2.0)])
+    tensor(3.)
+    """
+    replica = _require_replica_context("scale_regularization_loss")
+    if isinstance(regularization_loss, (list, tuple)):
+        if not regularization_loss:
+            return torch.tensor(0.0)
+        total = torch.stack([torch.as_tensor(x).sum() for x in regularization_loss]).sum()
+    else:
+        total = torch.as_tensor(regularization_loss).sum()
+    return total / replica.num_replicas_in_sync

@@ -1,0 +1,50 @@
+"""Helpers for the nests (tuples, lists, dicts) that flow through ``run`` and datasets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from torch_distribute.errors import ReplicaMismatchError
+
+
+def flatten(structure: Any) -> tuple[list[Any], Any]:
+    """Leaves of ``structure`` and a spec that rebuilds it (tuples, lists, dicts, namedtuples)."""
+    return pytree.tree_flatten(structure)
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def map_structure(fn: Callable[[Any], Any], structure: Any) -> Any:
+    """Apply ``fn`` to every leaf of ``structure``."""
+    return pytree.tree_map(fn, structure)
+
+
+def map_structure_up_to(structures: list[Any], fn: Callable[..., Any]) -> Any:
+    """Zip several structures of the same shape and apply ``fn`` to each tuple of leaves.
+
+    Raises ``ReplicaMismatchError`` naming both shapes when they differ.
+    """
+    flats = [flatten(s) for s in structures]
+    spec0 = flats[0][1]
+    for index, (_, spec) in enumerate(flats[1:], start=1):
+        if spec != spec0:
+            raise ReplicaMismatchError(
+                "Replicas returned values of different structure: replica 0 returned "
+                f"{_describe(structures[0])} but replica {index} returned "
+                f"{_describe(structures[index])}. Every replica must return the same nest."
+            )
+    leaves = [fn(*parts) for parts in zip(*(f[0] for f in flats), strict=True)]
+    return unflatten(leaves, spec0)
+
+
+def _describe(structure: Any) -> str:
+    if isinstance(structure, Mapping):
+        return f"a dict with keys {sorted(map(str, structure))}"
+    if isinstance(structure, (list, tuple)):
+        return f"a {type(structure).__name__} of length {len(structure)}"
+    return f"a {type(structure).__name__}"

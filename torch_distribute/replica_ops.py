@@ -1,0 +1,90 @@
+"""Differentiable ``all_reduce`` / ``all_gather`` for replica contexts.
+
+Both go through ``merge_call`` so they work whatever the strategy: the strategy's
+``extended`` reduces the ``PerReplica`` value, and each replica gets its own component back.
+Gradients flow back through the same collective: the gradient of a SUM all-reduce is the SUM
+all-reduce of the upstream gradients (MEAN likewise), so every replica must run backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_distribute import nest
+from torch_distribute.errors import InvalidAxisError
+from torch_distribute.reduce_op import ReduceOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch_distribute.context import ReplicaContext
+
+
+def _merge_all_reduce(replica_ctx: ReplicaContext, op: ReduceOp, tensors: tuple) -> tuple:
+    def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+        return strategy.extended._all_reduce_per_replica(op, list(per_replica))
+
+    return replica_ctx._merge_call(merge_fn, tensors, {})
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, replica_ctx: ReplicaContext, op: ReduceOp, *tensors: torch.Tensor):
+        ctx.replica_ctx = replica_ctx
+        ctx.op = op
+        return tuple(_merge_all_reduce(replica_ctx, op, tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        reduced = _merge_all_reduce(ctx.replica_ctx, ctx.op, grads)
+        return (None, None, *reduced)
+
+
+def all_reduce(replica_ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any) -> Any:
+    op = ReduceOp.from_value(reduce_op)
+    leaves, spec = nest.flatten(value)
+    tensors = [torch.as_tensor(leaf) for leaf in leaves]
+    if replica_ctx.num_replicas_in_sync == 1:
+        return nest.unflatten(tensors, spec)
+    reduced = _AllReduce.apply(replica_ctx, op, *tensors)
+    return nest.unflatten(list(reduced), spec)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, replica_ctx: ReplicaContext, axis: int, *tensors: torch.Tensor):
+        ctx.replica_ctx = replica_ctx
+        ctx.axis = axis
+
+        def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+            return strategy.extended._all_gather_per_replica(list(per_replica), axis)
+
+        gathered, sizes = replica_ctx._merge_call(merge_fn, tensors, {})
+        ctx.sizes = sizes
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        summed = _merge_all_reduce(ctx.replica_ctx, ReduceOp.SUM, grads)
+        local = ctx.replica_ctx.replica_id_in_sync_group
+        out = []
+        for grad, sizes in zip(summed, ctx.sizes, strict=True):
+            start = sum(sizes[:local])
+            out.append(grad.narrow(ctx.axis, start, sizes[local]))
+        return (None, None, *out)
+
+
+def all_gather(replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
+    leaves, spec = nest.flatten(value)
+    tensors = [torch.as_tensor(leaf) for leaf in leaves]
+    for t in tensors:
+        if not -t.dim() <= axis < max(t.dim(), 1):
+            raise InvalidAxisError(
+                f"all_gather axis {axis} is out of range for a tensor of shape {tuple(t.shape)}."
+            )
+    tensors = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+    axis = axis % tensors[0].dim() if tensors else axis
+    if replica_ctx.num_replicas_in_sync == 1:
+        return nest.unflatten(tensors, spec)
+    gathered = _AllGather.apply(replica_ctx, axis, *tensors)
+    return nest.unflatten(list(gathered), spec)

@@ -1,0 +1,13 @@
+"""Strategies: one module per strategy, all on the ``Strategy`` base."""
+
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
+from torch_distribute.strategies.single_replica import OneDeviceStrategy
+
+__all__ = [
+    "MirroredReplicaContext",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "Strategy",
+    "StrategyExtended",
+]

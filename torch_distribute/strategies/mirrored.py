@@ -1,0 +1,179 @@
+"""``MirroredStrategy``: synchronous training on several devices of one process.
+
+Every parameter and buffer made in ``scope()`` gets a copy per replica device; ``run`` calls
+the step function on every replica concurrently, each with its own slice of the batch;
+``optimizer.step()`` inside ``run`` sums the gradients of all replicas, updates copy 0 with the
+user's own optimizer, and copies the new values to the other replicas, so after every step
+all copies are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.collectives import CrossDeviceOps
+from torch_distribute.devices import DeviceLike, canonicalize_all, local_devices
+from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
+from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.replica_threads import ReplicaThreads
+from torch_distribute.strategies.replicated_state import ReplicaTensorMode
+from torch_distribute.strategies.single_replica import SingleReplicaExtended
+
+
+class MirroredReplicaContext(context.ReplicaContext):
+    """Replica context whose ``merge_call`` meets the other replica threads."""
+
+    def __init__(self, strategy: Strategy, replica_id: int, threads: ReplicaThreads):
+        super().__init__(strategy, replica_id)
+        self._threads = threads
+
+    def _merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return self._threads.merge_call(self.local_replica_id, merge_fn, args, kwargs)
+
+
+class MirroredExtended(StrategyExtended):
+    def __init__(self, strategy: Strategy, devices: tuple, cross_device_ops: CrossDeviceOps | None):
+        super().__init__(strategy, devices, cross_device_ops)
+        self._threads: ReplicaThreads | None = None
+
+    def _replica_threads(self) -> ReplicaThreads:
+        if self._threads is None:
+            cpu_replicas = sum(1 for d in self._torch_devices if d.type == "cpu")
+            intra_op = max(1, torch.get_num_threads() // cpu_replicas) if cpu_replicas > 1 else None
+            self._threads = ReplicaThreads(self._torch_devices, intra_op)
+            # The threads hold no reference to the strategy; stop them when it goes away.
+            weakref.finalize(self._strategy, self._threads.close)
+        return self._threads
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        threads = self._replica_threads()
+        self._state.sync_stale()
+        replica_contexts = [
+            MirroredReplicaContext(self._strategy, self._replica_id_offset + k, threads)
+            for k in range(self.num_local_replicas)
+        ]
+        modes = [ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)]
+        result = threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes)
+        self._state.aggregate_buffers()
+        return result
+
+    # -- optimizers ------------------------------------------------------------------------
+    def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.num_local_replicas == 1:
+            return
+        original_step = type(optimizer).step
+        original_zero_grad = type(optimizer).zero_grad
+        extended = self
+
+        def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+            if closure is not None:
+                raise InvalidArgumentError(
+                    "optimizer.step(closure) is not supported with several replicas: the closure "
+                    "would re-evaluate the loss on one replica only. Use an optimizer without "
+                    "a closure (not LBFGS) under MirroredStrategy."
+                )
+            replica = context.get_replica_context()
+            if replica is not None and replica.strategy is extended._strategy:
+                return replica.merge_call(lambda _s: extended._apply_optimizer(self, original_step))
+            return extended._apply_optimizer(self, original_step)
+
+        def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            replica = context.get_replica_context()
+            if replica is not None and replica.strategy is extended._strategy:
+                extended._zero_replica_grads(self, replica.local_replica_id, set_to_none)
+            else:
+                original_zero_grad(self, set_to_none)
+                for k in range(1, extended.num_local_replicas):
+                    extended._zero_replica_grads(self, k, set_to_none)
+
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+    def _optimizer_records(self, optimizer: torch.optim.Optimizer) -> list[Any]:
+        records = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                record = self._state.lookup(param)
+                if record is None:
+                    raise UnmirroredStateError(
+                        f"{type(optimizer).__name__} holds a parameter of shape "
+                        f"{tuple(param.shape)} that was not created inside strategy.scope(); "
+                        "create the module inside the scope too."
+                    )
+                records.append(record)
+        return records
+
+    def _apply_optimizer(self, optimizer: torch.optim.Optimizer, original_step: Callable[..., Any]) -> Any:
+        """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
+        records = self._optimizer_records(optimizer)
+        with_grad = [
+            r for r in records if r.copies is not None and any(c.grad is not None for c in r.copies)
+        ]
+        if with_grad:
+            per_replica = [
+                [r.copies[k].grad if r.copies[k].grad is not None else torch.zeros_like(r.copies[k])
+                 for r in with_grad]
+                for k in range(self.num_local_replicas)
+            ]
+            summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
+            for record, grad in zip(with_grad, summed, strict=True):
+                record.primary.grad = grad
+                # Replicas > 0 drop their part: it is in copy 0's gradient now, so gradients
+                # accumulated over several steps without zero_grad are still summed once.
+                for replica_copy in record.copies[1:]:
+                    replica_copy.grad = None
+        result = original_step(optimizer)
+        self._state.broadcast([r for r in records if r.is_stale()])
+        return result
+
+    def _zero_replica_grads(self, optimizer: torch.optim.Optimizer, local_id: int, set_to_none: bool) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                record = self._state.lookup(param)
+                if record is None or record.copies is None:
+                    target = param if local_id == 0 else None
+                else:
+                    target = record.copies[local_id]
+                if target is None or target.grad is None:
+                    continue
+                if set_to_none:
+                    target.grad = None
+                else:
+                    target.grad.detach_().zero_()
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of one process.
+
+    ``devices=None`` uses every visible GPU, else the CPU. CPU replicas
+    (``["cpu:0", "cpu:1"]``) are real replicas computing concurrently on the host, which is
+    how the same program is tested without GPUs.
+
+    >>> import torch, torch_distribute as td
+    >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> strategy.num_replicas_in_sync
+    2
+    >>> per_replica = strategy.run(lambda: td.get_replica_context().replica_id_in_sync_group)
+    >>> strategy.experimental_local_results(per_replica)
+    (0, 1)
+    """
+
+    def __init__(self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: CrossDeviceOps | None = None):
+        parsed = canonicalize_all(devices) if devices is not None else local_devices()
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise InvalidArgumentError(
+                f"cross_device_ops must be a td.CrossDeviceOps (e.g. td.ReductionToOneDevice()), "
+                f"got {type(cross_device_ops).__name__}."
+            )
+        if len(parsed) == 1:
+            extended: StrategyExtended = SingleReplicaExtended(self, parsed[0], place_state=True)
+        else:
+            extended = MirroredExtended(self, parsed, cross_device_ops)
+        super().__init__(extended)

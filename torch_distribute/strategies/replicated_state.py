@@ -1,0 +1,210 @@
+"""Per-replica copies of the parameters and buffers created in a strategy's scope.
+
+Copy 0 of every tensor is the tensor the user holds (``model.weight``); copies 1..N-1 live
+on the other replicas' devices. Inside ``run``, ``ReplicaTensorMode`` swaps the user's tensor
+for the current replica's copy in every torch call, so ``model(x)`` computes with that
+replica's weights while the Python objects stay the same.
+
+Copies are refreshed lazily: any change to copy 0 outside ``run`` (random init,
+``load_state_dict``, ``copy_``) bumps its version counter, and the next ``run`` re-broadcasts
+it. After an optimizer step the strategy broadcasts the new values itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from torch_distribute.collectives import CrossDeviceOps
+from torch_distribute.errors import UnmirroredStateError
+
+
+class MirroredTensor:
+    """Bookkeeping for one parameter or buffer: its per-replica copies and sync stamps."""
+
+    __slots__ = ("_primary", "copies", "is_buffer", "_stamp", "_copy_versions", "__weakref__")
+
+    def __init__(self, primary: torch.Tensor, is_buffer: bool):
+        self._primary = weakref.ref(primary)
+        self.copies: list[torch.Tensor] | None = None
+        self.is_buffer = is_buffer
+        self._stamp: tuple[int, int, tuple[int, ...]] | None = None
+        self._copy_versions: tuple[int, ...] = ()
+
+    @property
+    def primary(self) -> torch.Tensor | None:
+        return self._primary()
+
+    def stamp(self) -> tuple[int, int, tuple[int, ...]]:
+        p = self._primary()
+        return (p._version, p.data_ptr(), tuple(p.shape))
+
+    def mark_synced(self) -> None:
+        self._stamp = self.stamp()
+        self._copy_versions = tuple(c._version for c in self.copies or ())
+
+    def is_stale(self) -> bool:
+        return self.copies is None or self._stamp != self.stamp()
+
+    def copies_changed(self) -> bool:
+        return tuple(c._version for c in self.copies or ()) != self._copy_versions
+
+
+class ReplicatedState:
+    """All mirrored tensors of one strategy, keyed by the identity of copy 0."""
+
+    def __init__(self, devices: Sequence[torch.device], cross_device_ops: CrossDeviceOps):
+        self.devices = list(devices)
+        self.cross_device_ops = cross_device_ops
+        self._records: dict[int, MirroredTensor] = {}
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    def register(self, tensor: torch.Tensor, is_buffer: bool) -> None:
+        key = id(tensor)
+        self._records[key] = MirroredTensor(tensor, is_buffer)
+        weakref.finalize(tensor, self._forget, key, self._records[key])
+
+    def _forget(self, key: int, record: MirroredTensor) -> None:
+        if self._records.get(key) is record:
+            del self._records[key]
+
+    def lookup(self, tensor: Any) -> MirroredTensor | None:
+        record = self._records.get(id(tensor))
+        if record is not None and record.primary is tensor:
+            return record
+        return None
+
+    def records(self) -> list[MirroredTensor]:
+        return [r for r in list(self._records.values()) if r.primary is not None]
+
+    # -- keeping copies equal ---------------------------------------------------------
+    def sync_stale(self) -> None:
+        """Broadcast copy 0 to the other replicas for every tensor changed since last sync."""
+        if self.num_replicas == 1:
+            return
+        stale = [r for r in self.records() if r.is_stale()]
+        if stale:
+            self.broadcast(stale)
+
+    def broadcast(self, records: Iterable[MirroredTensor]) -> None:
+        with torch.no_grad():
+            for record in records:
+                primary = record.primary
+                if record.copies is None or any(
+                    c.shape != primary.shape or c.dtype != primary.dtype for c in record.copies[1:]
+                ):
+                    record.copies = [primary] + [
+                        _detached_copy(primary, device) for device in self.devices[1:]
+                    ]
+                else:
+                    record.copies[0] = primary
+                    for c in record.copies[1:]:
+                        c.copy_(primary, non_blocking=True)
+                record.mark_synced()
+
+    def aggregate_buffers(self) -> None:
+        """After ``run``: buffers the replicas changed (BatchNorm statistics) are averaged.
+
+        Floating buffers get the mean over replicas (as TF's ON_READ MEAN), integer ones
+        (step counters) keep replica 0's value; then every copy holds the result.
+        """
+        if self.num_replicas == 1:
+            return
+        changed = [r for r in self.records() if r.is_buffer and r.copies and r.copies_changed()]
+        if not changed:
+            return
+        floating = [r for r in changed if r.primary.is_floating_point()]
+        with torch.no_grad():
+            if floating:
+                per_replica = [[r.copies[k] for r in floating] for k in range(self.num_replicas)]
+                means = self.cross_device_ops.batch_reduce("mean", per_replica, self.devices[0])
+                for record, mean in zip(floating, means, strict=True):
+                    record.primary.copy_(mean)
+        self.broadcast(changed)
+
+    # -- views -------------------------------------------------------------------------
+    def local_copies(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        record = self.lookup(tensor)
+        if record is None:
+            return None
+        if record.is_stale():
+            self.broadcast([record])
+        return tuple(record.copies)
+
+    def module_replicas(self, module: nn.Module) -> tuple[nn.Module, ...] | None:
+        """One module per replica, sharing storage with that replica's copies."""
+        tensors = list(module.parameters()) + list(module.buffers())
+        records = [self.lookup(t) for t in tensors]
+        if not tensors or any(r is None for r in records):
+            return None
+        stale = [r for r in records if r.is_stale()]
+        if stale:
+            self.broadcast(stale)
+        replicas = [module]
+        for k in range(1, self.num_replicas):
+            memo: dict[int, Any] = {}
+            for tensor, record in zip(tensors, records, strict=True):
+                replica_tensor = record.copies[k]
+                if isinstance(tensor, nn.Parameter):
+                    replica_tensor = nn.Parameter(replica_tensor, requires_grad=tensor.requires_grad)
+                memo[id(tensor)] = replica_tensor
+            replicas.append(copy.deepcopy(module, memo))
+        return tuple(replicas)
+
+
+def _detached_copy(primary: torch.Tensor, device: torch.device) -> torch.Tensor:
+    replica = primary.detach().to(device, copy=True)
+    if primary.requires_grad:
+        replica.requires_grad_(True)
+    return replica
+
+
+class ReplicaTensorMode(TorchFunctionMode):
+    """Inside one replica: replace mirrored tensors by this replica's copies in torch calls.
+
+    With ``strict`` (more than one replica), an ``nn.Parameter`` that is not mirrored means a
+    module was made outside ``strategy.scope()``: training it would silently diverge, so it
+    raises ``UnmirroredStateError``.
+    """
+
+    def __init__(self, state: ReplicatedState, local_replica_id: int, strict: bool):
+        super().__init__()
+        self._records = state._records
+        self._index = local_replica_id
+        self._strict = strict
+        self._num_replicas = state.num_replicas
+
+    def _swap(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            record = self._records.get(id(value))
+            if record is not None and record._primary() is value:
+                return record.copies[self._index]
+            if self._strict and isinstance(value, nn.Parameter):
+                raise UnmirroredStateError(
+                    f"A parameter of shape {tuple(value.shape)} that was not created inside "
+                    "strategy.scope() is used inside strategy.run() with "
+                    f"{self._num_replicas} replicas; its replicas "
+                    "would silently train apart. Create the module (and its optimizer) inside "
+                    "`with strategy.scope():`."
+                )
+            return value
+        if type(value) in (list, tuple):
+            return type(value)(self._swap(v) for v in value)
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args = tuple(self._swap(a) for a in args)
+        if kwargs:
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        else:
+            kwargs = {}
+        return func(*args, **kwargs)

@@ -1,0 +1,75 @@
+"""The one-replica strategies: the default strategy and ``OneDeviceStrategy``.
+
+``run`` calls the function directly in the calling thread: no threads, no tensor
+substitution, so a step costs what the hand-written loop costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.values import select_replica
+
+
+class SingleReplicaExtended(StrategyExtended):
+    def __init__(self, strategy: Strategy, device: LogicalDevice, place_state: bool):
+        super().__init__(strategy, (device,))
+        self._place_state = place_state
+        self._replica_context = context.ReplicaContext(strategy, 0)
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        device = self._torch_devices[0]
+        device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        context.push_frame(self._strategy, self._replica_context)
+        try:
+            with device_guard:
+                return fn(*select_replica(0, args), **select_replica(0, kwargs))
+        finally:
+            context.pop_frame()
+
+    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool) -> torch.Tensor | None:
+        return super()._capture_parameter(tensor, is_buffer) if self._place_state else None
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on one device: the single-device case of the same program.
+
+    Modules made in its scope are placed on the device; datasets are moved there.
+
+    >>> import torch, torch_distribute as td
+    >>> strategy = td.OneDeviceStrategy("cpu")
+    >>> with strategy.scope():
+    ...     layer = torch.nn.Linear(2, 1)
+    >>> strategy.num_replicas_in_sync
+    1
+    """
+
+    def __init__(self, device: DeviceLike = "cpu"):
+        super().__init__(SingleReplicaExtended(self, canonicalize(device), place_state=True))
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in force when none is: one replica, nothing moved or mirrored."""
+
+    _is_default = True
+
+    def __init__(self) -> None:
+        super().__init__(SingleReplicaExtended(self, LogicalDevice("cpu", 0), place_state=False))
+        self._default_replica_context = context.ReplicaContext(self, 0)
+
+    def _reduce_one(self, op: Any, value: Any, axis: int | None) -> torch.Tensor:
+        # Keep the value on its own device: the default strategy owns no device.
+        if axis is None:
+            components = self._extended._components(value)
+            return components[0]
+        return super()._reduce_one(op, value, axis)
+
+
+context._set_default_strategy_factory(_DefaultStrategy)
