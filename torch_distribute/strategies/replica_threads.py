@@ -71,12 +71,18 @@ class ReplicaThreads:
         self._merge_results: list[Any] = [None] * self._n
         self._closed = False
         self._run_lock = threading.Lock()
+        self._ready = threading.Barrier(self._n + 1)
+        main_thread_count = torch.get_num_threads()
         self._threads = [
             threading.Thread(target=self._loop, args=(k,), name=f"td-replica-{k}", daemon=True)
             for k in range(self._n)
         ]
         for thread in self._threads:
             thread.start()
+        self._ready.wait()
+        # torch.set_num_threads in the replica threads also changed the process-wide default
+        # that new threads start from; give the caller's setting back.
+        torch.set_num_threads(main_thread_count)
 
     # -- called by the strategy (cross-replica side) ----------------------------------------
     def run(
@@ -192,6 +198,8 @@ class ReplicaThreads:
             torch.cuda.set_device(device)
         if self._intra_op_threads is not None:
             torch.set_num_threads(self._intra_op_threads)
+            torch.get_num_threads()  # pins the count for this thread before the caller restores
+        self._ready.wait()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._tasks[k] is not None or self._closed)
