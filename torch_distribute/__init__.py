@@ -58,8 +58,8 @@ from torch_distribute.strategies import (
 )
 from torch_distribute.values import DistributedValues, Mirrored, PerReplica
 
-# TEMP from torch_distribute import metrics  # noqa: E402,I001  (layer 7, built on the strategies)
-# TEMP from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
+from torch_distribute import metrics  # noqa: E402,I001  (layer 7, built on the strategies)
+from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 

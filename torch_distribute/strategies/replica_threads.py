@@ -11,7 +11,9 @@ the cores.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,17 @@ from torch_distribute.errors import ContextError, ReplicaMismatchError
 from torch_distribute.values import regroup, select_replica
 
 _IDLE, _RUNNING, _MERGING, _DONE = "idle", "running", "merging", "done"
+
+
+_live_groups: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Joining the replica threads before the interpreter tears down avoids native thread
+    # pools being destroyed under threads that still hold them.
+    for group in list(_live_groups):
+        group.close()
 
 
 class _Abort(BaseException):
@@ -80,6 +93,7 @@ class ReplicaThreads:
         for thread in self._threads:
             thread.start()
         self._ready.wait()
+        _live_groups.add(self)
         # torch.set_num_threads in the replica threads also changed the process-wide default
         # that new threads start from; give the caller's setting back.
         torch.set_num_threads(main_thread_count)
@@ -228,6 +242,10 @@ class ReplicaThreads:
                 self._cond.notify_all()
 
     def close(self) -> None:
+        """Stop the replica threads (idempotent); waits briefly for them to exit."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)

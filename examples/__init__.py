@@ -1,0 +1,1 @@
+"""Example programs for torch-distribute (not part of the installed package)."""

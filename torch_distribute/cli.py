@@ -1,0 +1,43 @@
+"""The ``torch-distribute`` command.
+
+    torch-distribute devices    # what MirroredStrategy() would use on this machine
+    torch-distribute version
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _devices(_: argparse.Namespace) -> int:
+    from torch_distribute.devices import local_devices
+
+    devices = local_devices()
+    print(f"torch {torch.__version__}; intra-op threads: {torch.get_num_threads()}")
+    print("MirroredStrategy() would use: " + ", ".join(d.name for d in devices))
+    if not torch.cuda.is_available():
+        print("No GPU visible: use MirroredStrategy(['cpu:0', 'cpu:1', ...]) for CPU replicas.")
+    return 0
+
+
+def _version(_: argparse.Namespace) -> int:
+    from torch_distribute import __version__
+
+    print(f"torch-distribute {__version__} (torch {torch.__version__})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torch-distribute", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("devices", help="list the devices a strategy would use").set_defaults(run=_devices)
+    commands.add_parser("version", help="print versions").set_defaults(run=_version)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
