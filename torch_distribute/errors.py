@@ -45,3 +45,7 @@ class DatasetError(DistributeError, ValueError):
 
 class CheckpointError(DistributeError, OSError):
     """A checkpoint that is missing, corrupt or does not match the objects it restores into."""
+
+
+class WorkerUnavailableError(DistributeError, RuntimeError):
+    """A worker process died, hung or could not be reached: restart the job and restore."""

@@ -50,7 +50,7 @@ def compute_average_loss(
             "got a scalar: compute the loss with reduction='none'."
         )
     if sample_weight is not None:
-        loss = loss * torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device)
+        loss = loss * _align_weight(torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device), loss)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
     elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
@@ -66,6 +66,20 @@ def compute_average_loss(
     if global_batch_size == 0:
         return total * 0.0
     return total / global_batch_size
+
+
+def _align_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """Squeeze or expand trailing dims of ``weight`` to the loss's rank (as TF does)."""
+    while weight.dim() > loss.dim() and weight.shape[-1] == 1:
+        weight = weight.squeeze(-1)
+    while 0 < weight.dim() < loss.dim():
+        weight = weight.unsqueeze(-1)
+    if weight.dim() > loss.dim():
+        raise InvalidArgumentError(
+            f"sample_weight of shape {tuple(weight.shape)} does not fit per-example losses of "
+            f"shape {tuple(loss.shape)}."
+        )
+    return weight
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor | list[torch.Tensor] | Any) -> torch.Tensor:

@@ -12,9 +12,11 @@ from torch_distribute.errors import DatasetError
 
 
 def batch_sizes_for_worker(global_batch_size: int, num_workers: int, num_replicas_per_worker: int, worker_index: int) -> list[int]:
-    """Per-replica batch sizes of one worker, exactly as TensorFlow's rebatching computes them.
+    """TensorFlow's ``batch_sizes_for_worker``: the sub-batch sizes, rotated for ``worker_index``.
 
-    Sizes differ by at most one and the sizes of all workers add up to the global batch.
+    The global batch is cut into ``num_workers * num_replicas_per_worker`` sub-batches whose
+    sizes differ by at most one; the list is rotated left by ``worker_index * replicas``, so
+    its first ``num_replicas_per_worker`` entries are this worker's replicas' sizes.
 
     >>> batch_sizes_for_worker(7, 2, 2, 0), batch_sizes_for_worker(7, 2, 2, 1)
     ([2, 2, 2, 1], [2, 1, 2, 2])
@@ -26,8 +28,7 @@ def batch_sizes_for_worker(global_batch_size: int, num_workers: int, num_replica
     num_ceil = global_batch_size - num_subbatches * floor
     sizes = [floor + 1] * num_ceil + [floor] * (num_subbatches - num_ceil)
     offset = worker_index * num_replicas_per_worker
-    rotated = sizes[offset:] + sizes[:offset]
-    return rotated[:num_replicas_per_worker]
+    return sizes[offset:] + sizes[:offset]
 
 
 def to_tensors(batch: Any) -> Any:

@@ -103,18 +103,18 @@ class DistributedDataset(_DistributedIterable):
         options: InputOptions | None = None,
         sync_has_data: Callable[[bool], bool] = lambda has: has,
     ):
-        if not hasattr(dataset, "__iter__"):
-            raise DatasetError(
-                f"experimental_distribute_dataset needs an iterable of global batches, got "
-                f"{type(dataset).__name__}."
-            )
         if isinstance(dataset, torch.utils.data.Dataset) and not isinstance(
             dataset, torch.utils.data.IterableDataset
-        ) and hasattr(dataset, "__getitem__"):
+        ):
             raise DatasetError(
                 f"{type(dataset).__name__} is a map-style dataset of single examples; "
                 "distributed datasets take global batches. Wrap it: "
                 "torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH_SIZE)."
+            )
+        if not hasattr(dataset, "__iter__"):
+            raise DatasetError(
+                f"experimental_distribute_dataset needs an iterable of global batches, got "
+                f"{type(dataset).__name__}."
             )
         super().__init__(devices, options, sync_has_data)
         self._dataset = dataset
@@ -130,8 +130,7 @@ class DistributedDataset(_DistributedIterable):
 
         def next_step() -> Any:
             try:
-                batch = to_tensors(next(source))
-                local = self._local_rows(batch)
+                local, sizes = self._local_rows(to_tensors(next(source)))
                 has_data = True
             except StopIteration:
                 has_data = False
@@ -140,25 +139,23 @@ class DistributedDataset(_DistributedIterable):
             if not has_data:
                 if not template:
                     raise DatasetError("This worker received no data at all while others did.")
-                local = empty_like_batch(template[0])
+                local, sizes = empty_like_batch(template[0]), [0] * self.num_local_replicas
             if not template:
                 template.append(empty_like_batch(local))
-            sizes = batch_sizes_for_worker(batch_dim(local), 1, self.num_local_replicas, 0)
             return self._place(split_batch(local, sizes))
 
         return DistributedIterator(next_step, "experimental_distribute_dataset")
 
-    def _local_rows(self, batch: Any) -> Any:
-        """The rows of a global batch that this worker's replicas take."""
-        global_size = batch_dim(batch)
+    def _local_rows(self, batch: Any) -> tuple[Any, list[int]]:
+        """This worker's rows of a global batch and how they split over its replicas."""
+        replicas = self.num_local_replicas
+        sizes = batch_sizes_for_worker(batch_dim(batch), self._num_workers, replicas, 0)
         if self._num_workers == 1:
-            return batch
-        per_worker = [
-            sum(batch_sizes_for_worker(global_size, self._num_workers, self.num_local_replicas, w))
-            for w in range(self._num_workers)
-        ]
-        start = sum(per_worker[: self._worker_index])
-        return split_batch(batch, [start, per_worker[self._worker_index], global_size - start - per_worker[self._worker_index]])[1]
+            return batch, sizes
+        start = sum(sizes[: self._worker_index * replicas])
+        mine = sizes[self._worker_index * replicas:(self._worker_index + 1) * replicas]
+        rest = batch_dim(batch) - start - sum(mine)
+        return split_batch(batch, [start, sum(mine), rest])[1], mine
 
 
 class DatasetFromFunction(_DistributedIterable):

@@ -89,6 +89,12 @@ class StrategyExtended:
     def _components(self, value: Any) -> list[torch.Tensor]:
         """One tensor per local replica for ``value`` (a distributed value or a plain one)."""
         if isinstance(value, DistributedValues):
+            if len(value.values) != self.num_local_replicas:
+                raise InvalidArgumentError(
+                    f"This {type(value).__name__} has {len(value.values)} components but the "
+                    f"strategy has {self.num_local_replicas} local replicas; use values produced "
+                    "by this strategy's run() or distributed datasets."
+                )
             return [torch.as_tensor(v) for v in value.values]
         copies = self._state.local_copies(value) if isinstance(value, torch.Tensor) else None
         if copies is not None:
@@ -111,22 +117,24 @@ class StrategyExtended:
         """All-reduce a list of values (each a ``PerReplica`` or plain); results per replica."""
         components = [self._components(v) for v in per_replica]
         per_replica_lists = [[c[k] for c in components] for k in range(self.num_local_replicas)]
-        reduced = self._cross_device_ops.batch_all_reduce(ReduceOp.SUM, per_replica_lists)
+        totals = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica_lists, self._primary_device)
         out = []
-        for i in range(len(per_replica)):
-            values = [self._reduce_across_workers(reduced[k][i]) for k in range(self.num_local_replicas)]
+        for total in totals:
+            total = self._reduce_across_workers(total)
             if reduce_op is ReduceOp.MEAN:
-                values = [_divide(v, self.num_replicas_in_sync) for v in values]
-            out.append(PerReplica(values))
+                total = _divide(total, self.num_replicas_in_sync)
+            out.append(PerReplica(self._cross_device_ops.broadcast(total, self._torch_devices)))
         return out
 
     def _all_gather_per_replica(self, per_replica: list[Any], axis: int) -> tuple[list[Any], list[tuple[int, ...]]]:
         gathered, sizes = [], []
         for value in per_replica:
             components = self._components(value)
-            sizes.append(tuple(c.shape[axis] for c in components))
-            total = torch.cat([c.to(self._primary_device) for c in components], dim=axis)
-            gathered.append(PerReplica([total.to(d, copy=True) for d in self._torch_devices]))
+            local = torch.cat([c.to(self._primary_device) for c in components], dim=axis)
+            local_sizes = torch.tensor([c.shape[axis] for c in components], dtype=torch.int64)
+            total = self._gather_across_workers(local, axis)
+            sizes.append(tuple(int(n) for n in self._gather_across_workers(local_sizes, 0)))
+            gathered.append(PerReplica(self._cross_device_ops.broadcast(total, self._torch_devices)))
         return gathered, sizes
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> torch.Tensor:
@@ -184,7 +192,9 @@ class StrategyExtended:
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
 
-    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool) -> torch.Tensor | None:
+    def _capture_parameter(
+        self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None
+    ) -> torch.Tensor | None:
         """Called for every parameter/buffer registered inside ``scope()``."""
         moved = None
         if tensor.device != self._primary_device:
@@ -192,7 +202,7 @@ class StrategyExtended:
                 moved = nn.Parameter(tensor.detach().to(self._primary_device), tensor.requires_grad)
             else:
                 moved = tensor.to(self._primary_device)
-        self._state.register(moved if moved is not None else tensor, is_buffer)
+        self._state.register(moved if moved is not None else tensor, is_buffer, norm_layer)
         return moved
 
     def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.modules.batchnorm import _NormBase
 from torch.optim import lr_scheduler
 from torch.optim import optimizer as optimizer_module
 
@@ -43,7 +44,10 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
     strategy = _scope_strategy()
     if strategy is None or buffer is None:
         return None
-    return strategy.extended._capture_parameter(buffer, is_buffer=True)
+    is_running_stat = isinstance(module, _NormBase) and name in ("running_mean", "running_var")
+    return strategy.extended._capture_parameter(
+        buffer, is_buffer=True, norm_layer=module if is_running_stat else None
+    )
 
 
 def _wrap_optimizer_init(original: Any) -> Any:

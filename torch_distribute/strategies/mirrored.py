@@ -66,7 +66,7 @@ class MirroredExtended(StrategyExtended):
 
     # -- optimizers ------------------------------------------------------------------------
     def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.num_local_replicas == 1:
+        if self.num_replicas_in_sync == 1:
             return
         original_step = type(optimizer).step
         original_zero_grad = type(optimizer).zero_grad
@@ -113,25 +113,38 @@ class MirroredExtended(StrategyExtended):
     def _apply_optimizer(self, optimizer: torch.optim.Optimizer, original_step: Callable[..., Any]) -> Any:
         """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
         records = self._optimizer_records(optimizer)
+        self._sum_gradients(optimizer, records)
+        result = original_step(optimizer)
+        self._after_step(records)
+        self._state.broadcast([r for r in records if r.is_stale()])
+        return result
+
+    def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
+        """Leave the sum over local replicas in copy 0's ``.grad``."""
         with_grad = [
             r for r in records if r.copies is not None and any(c.grad is not None for c in r.copies)
         ]
-        if with_grad:
-            per_replica = [
-                [r.copies[k].grad if r.copies[k].grad is not None else torch.zeros_like(r.copies[k])
-                 for r in with_grad]
-                for k in range(self.num_local_replicas)
-            ]
-            summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
-            for record, grad in zip(with_grad, summed, strict=True):
-                record.primary.grad = grad
-                # Replicas > 0 drop their part: it is in copy 0's gradient now, so gradients
-                # accumulated over several steps without zero_grad are still summed once.
-                for replica_copy in record.copies[1:]:
-                    replica_copy.grad = None
-        result = original_step(optimizer)
-        self._state.broadcast([r for r in records if r.is_stale()])
-        return result
+        if not with_grad:
+            return
+        per_replica = [
+            [r.copies[k].grad if r.copies[k].grad is not None else torch.zeros_like(r.copies[k])
+             for r in with_grad]
+            for k in range(self.num_local_replicas)
+        ]
+        summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
+        for record, grad in zip(with_grad, summed, strict=True):
+            primary = record.primary
+            if primary.grad is not None and primary.grad.shape == primary.shape:
+                primary.grad.copy_(grad)
+            else:
+                primary.grad = grad.clone()
+            # Replicas > 0 drop their part: it is in copy 0's gradient now, so gradients
+            # accumulated over several steps without zero_grad are still summed once.
+            for replica_copy in record.copies[1:]:
+                replica_copy.grad = None
+
+    def _after_step(self, records: list[Any]) -> None:
+        """Hook for multi-worker strategies (only one worker keeps the summed gradient)."""
 
     def _zero_replica_grads(self, optimizer: torch.optim.Optimizer, local_id: int, set_to_none: bool) -> None:
         for group in optimizer.param_groups:
@@ -145,8 +158,12 @@ class MirroredExtended(StrategyExtended):
                     continue
                 if set_to_none:
                     target.grad = None
-                else:
-                    target.grad.detach_().zero_()
+                else:  # as torch.optim.Optimizer.zero_grad does
+                    if target.grad.grad_fn is not None:
+                        target.grad.detach_()
+                    else:
+                        target.grad.requires_grad_(False)
+                    target.grad.zero_()
 
 
 class MirroredStrategy(Strategy):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,12 +28,15 @@ from torch_distribute.errors import UnmirroredStateError
 class MirroredTensor:
     """Bookkeeping for one parameter or buffer: its per-replica copies and sync stamps."""
 
-    __slots__ = ("_primary", "copies", "is_buffer", "_stamp", "_copy_versions", "__weakref__")
+    __slots__ = ("_primary", "copies", "is_buffer", "_stamp", "_copy_versions", "_norm_layer", "__weakref__")
 
-    def __init__(self, primary: torch.Tensor, is_buffer: bool):
+    def __init__(self, primary: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None):
         self._primary = weakref.ref(primary)
         self.copies: list[torch.Tensor] | None = None
         self.is_buffer = is_buffer
+        # Running statistics of a norm layer: updated in place by the batch_norm kernel,
+        # which does not bump the version counter, so "changed" is "the layer is training".
+        self._norm_layer = weakref.ref(norm_layer) if norm_layer is not None else None
         self._stamp: tuple[int, int, tuple[int, ...]] | None = None
         self._copy_versions: tuple[int, ...] = ()
 
@@ -53,6 +56,10 @@ class MirroredTensor:
         return self.copies is None or self._stamp != self.stamp()
 
     def copies_changed(self) -> bool:
+        if self._norm_layer is not None:
+            layer = self._norm_layer()
+            if layer is not None and layer.training:
+                return True
         return tuple(c._version for c in self.copies or ()) != self._copy_versions
 
 
@@ -63,19 +70,30 @@ class ReplicatedState:
         self.devices = list(devices)
         self.cross_device_ops = cross_device_ops
         self._records: dict[int, MirroredTensor] = {}
+        self._fresh: list[MirroredTensor] = []
+        self._buffers: list[MirroredTensor] = []
+        # Set by multi-worker strategies: make tensors equal across worker processes.
+        self.worker_broadcast: Callable[[list[torch.Tensor]], None] | None = None
+        self.worker_mean: Callable[[list[torch.Tensor]], None] | None = None
 
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
 
-    def register(self, tensor: torch.Tensor, is_buffer: bool) -> None:
+    def register(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
         key = id(tensor)
-        self._records[key] = MirroredTensor(tensor, is_buffer)
-        weakref.finalize(tensor, self._forget, key, self._records[key])
+        record = MirroredTensor(tensor, is_buffer, norm_layer)
+        self._records[key] = record
+        self._fresh.append(record)
+        if is_buffer:
+            self._buffers.append(record)
+        weakref.finalize(tensor, self._forget, key, record)
 
     def _forget(self, key: int, record: MirroredTensor) -> None:
         if self._records.get(key) is record:
             del self._records[key]
+        if record.is_buffer:
+            self._buffers = [b for b in self._buffers if b is not record]
 
     def lookup(self, tensor: Any) -> MirroredTensor | None:
         record = self._records.get(id(tensor))
@@ -88,7 +106,17 @@ class ReplicatedState:
 
     # -- keeping copies equal ---------------------------------------------------------
     def sync_stale(self) -> None:
-        """Broadcast copy 0 to the other replicas for every tensor changed since last sync."""
+        """Broadcast copy 0 to the other replicas for every tensor changed since last sync.
+
+        Tensors created since the last call are first made equal across workers (the chief's
+        values win, whatever each worker's seed), as TF does when a variable is created.
+        """
+        if self._fresh:
+            fresh = [r for r in self._fresh if r.primary is not None]
+            self._fresh = []
+            if self.worker_broadcast is not None and fresh:
+                self.worker_broadcast([r.primary for r in fresh])
+            self.broadcast(fresh)
         if self.num_replicas == 1:
             return
         stale = [r for r in self.records() if r.is_stale()]
@@ -117,18 +145,20 @@ class ReplicatedState:
         Floating buffers get the mean over replicas (as TF's ON_READ MEAN), integer ones
         (step counters) keep replica 0's value; then every copy holds the result.
         """
-        if self.num_replicas == 1:
+        if self.num_replicas == 1 and self.worker_mean is None:
             return
-        changed = [r for r in self.records() if r.is_buffer and r.copies and r.copies_changed()]
+        changed = [r for r in self._buffers if r.copies and r.copies_changed()]
         if not changed:
             return
         floating = [r for r in changed if r.primary.is_floating_point()]
         with torch.no_grad():
-            if floating:
+            if floating and self.num_replicas > 1:
                 per_replica = [[r.copies[k] for r in floating] for k in range(self.num_replicas)]
                 means = self.cross_device_ops.batch_reduce("mean", per_replica, self.devices[0])
                 for record, mean in zip(floating, means, strict=True):
                     record.primary.copy_(mean)
+            if floating and self.worker_mean is not None:
+                self.worker_mean([r.primary for r in floating])
         self.broadcast(changed)
 
     # -- views -------------------------------------------------------------------------
@@ -190,11 +220,11 @@ class ReplicaTensorMode(TorchFunctionMode):
                 return record.copies[self._index]
             if self._strict and isinstance(value, nn.Parameter):
                 raise UnmirroredStateError(
-                    f"A parameter of shape {tuple(value.shape)} that was not created inside "
-                    "strategy.scope() is used inside strategy.run() with "
-                    f"{self._num_replicas} replicas; its replicas "
-                    "would silently train apart. Create the module (and its optimizer) inside "
-                    "`with strategy.scope():`."
+                    f"A parameter of shape {tuple(value.shape)} that was not registered on a "
+                    "module inside strategy.scope() is used inside strategy.run() with "
+                    f"{self._num_replicas} replicas; its replicas would silently train apart. "
+                    "Create the module (and its optimizer) inside `with strategy.scope():` "
+                    "(a bare nn.Parameter must be assigned to a module there)."
                 )
             return value
         if type(value) in (list, tuple):

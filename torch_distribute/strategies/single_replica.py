@@ -34,8 +34,8 @@ class SingleReplicaExtended(StrategyExtended):
         finally:
             context.pop_frame()
 
-    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool) -> torch.Tensor | None:
-        return super()._capture_parameter(tensor, is_buffer) if self._place_state else None
+    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: Any = None) -> torch.Tensor | None:
+        return super()._capture_parameter(tensor, is_buffer, norm_layer) if self._place_state else None
 
 
 class OneDeviceStrategy(Strategy):

@@ -1,0 +1,202 @@
+"""``WorkerGroup``: the worker processes of one job, over ``torch.distributed``.
+
+Rendezvous is a c10d ``TCPStore`` hosted by the chief. Every collective has a deadline; each
+worker also writes a heartbeat into the store, so when a collective fails or times out the
+error names the workers that stopped answering instead of hanging or saying "timeout".
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_distribute.collectives.communication import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
+from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
+
+_HEARTBEAT_PREFIX = "td/heartbeat/"
+
+
+class WorkerGroup:
+    """This process's membership in a job of ``world_size`` workers.
+
+    >>> # group = WorkerGroup("127.0.0.1", 29500, world_size=2, rank=0, options=CommunicationOptions())
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank: int,
+        options: CommunicationOptions,
+        use_cuda: bool = False,
+    ):
+        self.host, self.port = host, port
+        self.world_size, self.rank = world_size, rank
+        self.options = options
+        self._timeout = datetime.timedelta(seconds=options.timeout)
+        self._closed = False
+        backend = _backend(options.implementation, use_cuda)
+        self.uses_nccl = "nccl" in backend
+        try:
+            self.store = dist.TCPStore(
+                host, port, world_size, is_master=(rank == 0), timeout=self._timeout,
+                wait_for_workers=True,
+            )
+        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
+            raise WorkerUnavailableError(
+                f"Worker {rank} could not join the job at {host}:{port} within "
+                f"{options.timeout:.0f} s ({error}). Check that every worker was started with the "
+                "same cluster configuration and that the chief (worker 0) is running."
+            ) from error
+        if dist.is_initialized():
+            raise WorkerUnavailableError(
+                "torch.distributed is already initialized in this process; create the "
+                "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
+            )
+        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout)
+        # Gradients travel on their own group so they never interleave with other collectives.
+        self.gradient_group = dist.new_group(backend=backend, timeout=self._timeout)
+        self._heartbeat_interval = max(0.5, min(5.0, options.timeout / 6))
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- health ---------------------------------------------------------------------------
+    def _beat(self) -> None:
+        try:
+            client = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
+                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 4))
+        except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
+            return
+        while not self._heartbeat_stop.is_set():
+            try:
+                client.set(f"{_HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
+            except Exception:  # noqa: BLE001 - the store (the chief) is gone
+                return
+            self._heartbeat_stop.wait(self._heartbeat_interval)
+
+    def silent_workers(self) -> list[int] | None:
+        """Ranks whose heartbeat is stale; None when the store (hosted by the chief) is gone."""
+        try:
+            probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=5))
+            now = time.time()
+            silent = []
+            for rank in range(self.world_size):
+                key = f"{_HEARTBEAT_PREFIX}{rank}"
+                if not probe.check([key]) or now - float(probe.get(key)) > 3 * self._heartbeat_interval:
+                    silent.append(rank)
+            return silent
+        except Exception:  # noqa: BLE001
+            return None
+
+    def describe_failure(self, what: str, error: BaseException | None) -> WorkerUnavailableError:
+        silent = self.silent_workers()
+        if silent is None:
+            who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
+        elif silent:
+            who = "worker(s) " + ", ".join(str(r) for r in silent) + " stopped answering"
+        else:
+            who = "a worker left the collective (every worker still has a heartbeat)"
+        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+        return WorkerUnavailableError(
+            f"{what} failed on worker {self.rank} of {self.world_size}: {who}{detail}. "
+            f"Collectives wait at most {self.options.timeout:.0f} s "
+            "(CommunicationOptions(timeout_seconds=...)). Restart the job; training resumes from "
+            "the last checkpoint (td.BackupAndRestore)."
+        )
+
+    # -- collectives ------------------------------------------------------------------------
+    def _wait(self, what: str, launch: Callable[[], Any]) -> None:
+        try:
+            work = launch()
+            if work is not None:
+                work.wait(self._timeout)
+        except WorkerUnavailableError:
+            raise
+        except Exception as error:  # noqa: BLE001 - translated with the missing worker's name
+            raise self.describe_failure(what, error) from error
+
+    def wait(self, what: str, work: Any) -> None:
+        """Wait for an async collective launched elsewhere, with the deadline and naming."""
+        self._wait(what, lambda: work)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
+        """In-place SUM (or ``op``) over workers of a tensor on a backend-compatible device."""
+        target = self._comm_tensor(tensor)
+        self._wait(what, lambda: dist.all_reduce(target, op=op, async_op=True))
+        if target is not tensor:
+            tensor.copy_(target)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0, what: str = "broadcast") -> torch.Tensor:
+        target = self._comm_tensor(tensor)
+        self._wait(what, lambda: dist.broadcast(target, src=src, async_op=True))
+        if target is not tensor:
+            tensor.copy_(target)
+        return tensor
+
+    def all_gather_objects(self, value: Any, what: str = "all_gather") -> list[Any]:
+        """Small Python values from every worker, in rank order (start-up checks only)."""
+        out: list[Any] = [None] * self.world_size
+        self._wait(what, lambda: dist.all_gather_object(out, value))
+        return out
+
+    def all_gather_along(self, tensor: torch.Tensor, axis: int, what: str = "gather") -> torch.Tensor:
+        """Concatenate ``tensor`` from every worker along ``axis`` (sizes may differ)."""
+        sizes = torch.tensor([tensor.shape[axis]], dtype=torch.int64)
+        all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
+        self._wait(what, lambda: dist.all_gather(all_sizes, sizes, async_op=True))
+        counts = [int(s) for s in all_sizes]
+        longest = max(counts)
+        padded = tensor
+        if tensor.shape[axis] < longest:
+            pad_shape = list(tensor.shape)
+            pad_shape[axis] = longest - tensor.shape[axis]
+            padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=axis)
+        padded = self._comm_tensor(padded.contiguous())
+        pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._wait(what, lambda: dist.all_gather(pieces, padded, async_op=True))
+        return torch.cat([p.narrow(axis, 0, n).to(tensor.device) for p, n in zip(pieces, counts, strict=True)], dim=axis)
+
+    def barrier(self, what: str = "barrier") -> None:
+        flag = torch.zeros(1)
+        self.all_reduce_(flag, what=what)
+
+    def _comm_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda and not self.uses_nccl:
+            return tensor.cpu()
+        return tensor
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._heartbeat_stop.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _backend(implementation: CommunicationImplementation, use_cuda: bool) -> str:
+    nccl = use_cuda and torch.cuda.is_available() and dist.is_nccl_available()
+    if implementation is CommunicationImplementation.NCCL:
+        if not nccl:
+            raise InvalidArgumentError(
+                "CommunicationImplementation.NCCL needs CUDA devices and a PyTorch build with NCCL; "
+                "use CommunicationImplementation.AUTO or RING on CPUs."
+            )
+        return "nccl"
+    if implementation is CommunicationImplementation.RING or not nccl:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+

@@ -1,0 +1,158 @@
+"""Gradient summation across workers, in buckets launched while backward is still running.
+
+As DDP's reducer does: the optimizer's parameters are packed, in reverse order (the order
+backward produces their gradients), into buckets of ``bucket_bytes``. A hook fires when a
+parameter's gradient is complete on every local replica; when a whole bucket is complete
+(and every bucket before it was launched), its local sum is written into a flat buffer and an
+asynchronous SUM all-reduce over the workers starts, while backward continues. The optimizer
+step waits for the buckets and copies the sums into copy 0's gradients.
+
+Every bucket carries one extra element per parameter, 1 where the worker had a gradient:
+after the SUM it says whether *any* worker had one, so a parameter no worker used keeps
+``grad=None`` (as on one device) instead of getting zeros that would move Adam's moments.
+If backward runs again before the step (gradient accumulation), the launched sums are stale:
+the step waits for them and reduces everything again from the accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_distribute.collectives.worker_group import WorkerGroup
+from torch_distribute.strategies.replicated_state import MirroredTensor
+
+
+class _Bucket:
+    def __init__(self, records: list[MirroredTensor], device: torch.device, dtype: torch.dtype):
+        self.records = records
+        self.numels = [r.primary.numel() for r in records]
+        total = sum(self.numels)
+        self.flat = torch.zeros(total + len(records), device=device, dtype=dtype)
+        self.offsets = [sum(self.numels[:i]) for i in range(len(records))]
+        self.flag_offset = total
+
+
+class GradientSynchronizer:
+    """Sums one optimizer's gradients over local replicas and workers."""
+
+    def __init__(self, records: list[MirroredTensor], group: WorkerGroup, num_local: int, bucket_bytes: int):
+        self._group = group
+        self._num_local = num_local
+        self._lock = threading.Lock()
+        trainable = [r for r in records if r.primary.requires_grad]
+        self._buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
+        self._hooked: dict[int, tuple[int, ...]] = {}
+        self._handles: list[Any] = []
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self._ready = [[set() for _ in b.records] for b in self._buckets]
+        self._pending = [len(b.records) for b in self._buckets]
+        self._next = 0
+        self._works: list[Any] = []
+        self._dirty = False
+
+    # -- hooks -----------------------------------------------------------------------------
+    def attach_hooks(self) -> None:
+        """(Re-)register hooks on the current copies of every parameter (cheap when done)."""
+        for b, bucket in enumerate(self._buckets):
+            for slot, record in enumerate(bucket.records):
+                copies = tuple(id(c) for c in record.copies or ())
+                if not copies or self._hooked.get(id(record)) == copies:
+                    continue
+                self._hooked[id(record)] = copies
+                for k, replica_copy in enumerate(record.copies):
+                    self._handles.append(replica_copy.register_post_accumulate_grad_hook(
+                        lambda _t, b=b, slot=slot, k=k: self._on_grad(b, slot, k)))
+
+    def _on_grad(self, b: int, slot: int, k: int) -> None:
+        with self._lock:
+            ready = self._ready[b][slot]
+            if k in ready:
+                self._dirty = True  # a second backward before the step
+                return
+            ready.add(k)
+            if len(ready) == self._num_local:
+                self._pending[b] -= 1
+                self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        while self._next < len(self._buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        with torch.no_grad():
+            for slot, record in enumerate(bucket.records):
+                view = bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot])
+                grads = [c.grad for c in record.copies if c.grad is not None]
+                if grads:
+                    view.copy_(grads[0].reshape(-1))
+                    for grad in grads[1:]:
+                        view.add_(grad.reshape(-1).to(view.device, non_blocking=True))
+                else:
+                    view.zero_()
+                bucket.flat[bucket.flag_offset + slot] = 1.0 if grads else 0.0
+        self._works.append(dist.all_reduce(bucket.flat, group=self._group.gradient_group, async_op=True))
+
+    # -- the optimizer step ------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait for every bucket and leave the global sums in copy 0's gradients."""
+        with self._lock:
+            if self._dirty:
+                for work in self._works:
+                    self._group.wait("gradient all-reduce", work)
+                self._works, self._next = [], 0
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+                self._next += 1
+            works = self._works
+        for work in works:
+            self._group.wait("gradient all-reduce", work)
+        with torch.no_grad():
+            for bucket in self._buckets:
+                flags = bucket.flat[bucket.flag_offset:].tolist()
+                for slot, record in enumerate(bucket.records):
+                    primary = record.primary
+                    if flags[slot] == 0:
+                        primary.grad = None
+                        continue
+                    total = bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view_as(primary)
+                    if primary.grad is not None and primary.grad.shape == primary.shape:
+                        primary.grad.copy_(total)
+                    else:
+                        primary.grad = total.clone()
+                    for replica_copy in record.copies[1:]:
+                        replica_copy.grad = None
+        with self._lock:
+            self._reset_round()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _make_buckets(records: list[MirroredTensor], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    current: list[MirroredTensor] = []
+    size = 0
+    for record in records:
+        primary = record.primary
+        if current and (
+            primary.dtype != current[0].primary.dtype
+            or primary.device != current[0].primary.device
+            or size + primary.numel() * primary.element_size() > bucket_bytes
+        ):
+            buckets.append(_Bucket(current, current[0].primary.device, current[0].primary.dtype))
+            current, size = [], 0
+        current.append(record)
+        size += primary.numel() * primary.element_size()
+    if current:
+        buckets.append(_Bucket(current, current[0].primary.device, current[0].primary.dtype))
+    return buckets

@@ -1,0 +1,201 @@
+"""``MultiWorkerMirroredStrategy``: synchronous training over several worker processes.
+
+Each worker drives its local devices exactly as ``MirroredStrategy`` does; across workers,
+everything goes through ``torch.distributed`` (Gloo on CPU, NCCL for CUDA tensors):
+initial values are broadcast from the chief, gradients are summed in buckets launched while
+backward runs (local replicas summed first, then one all-reduce per bucket), and
+``reduce``/``gather``/``all_reduce``/metrics span every replica of every worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.cluster import ClusterResolver, resolve_cluster
+from torch_distribute.collectives.communication import CommunicationOptions
+from torch_distribute.collectives.worker_group import WorkerGroup
+from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all, local_devices
+from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.gradient_sync import GradientSynchronizer
+from torch_distribute.strategies.mirrored import MirroredExtended
+from torch_distribute.values import select_replica
+
+
+class MultiWorkerMirroredExtended(MirroredExtended):
+    def __init__(
+        self,
+        strategy: Strategy,
+        devices: tuple[LogicalDevice, ...],
+        resolver: ClusterResolver,
+        options: CommunicationOptions,
+    ):
+        super().__init__(strategy, devices, None)
+        self._resolver = resolver
+        self._options = options
+        self._num_workers = resolver.num_workers
+        self._worker_index = resolver.worker_index
+        self._is_chief = resolver.is_chief
+        self._group: WorkerGroup | None = None
+        self._synchronizers: dict[int, GradientSynchronizer] = {}
+        self._single_replica_context = context.ReplicaContext(strategy, 0)
+        if self._num_workers > 1:
+            host, port = resolver.rendezvous_address()
+            self._group = WorkerGroup(
+                host, port, self._num_workers, self._worker_index, options,
+                use_cuda=any(d.is_cuda for d in devices),
+            )
+            counts = self._group.all_gather_objects(len(devices), what="start-up check")
+            if len(set(counts)) != 1:
+                self._group.close()
+                raise InvalidArgumentError(
+                    f"Workers drive different numbers of local replicas {counts}; every worker "
+                    "needs the same number (the same GPU count, or the same devices=...)."
+                )
+            self._state.worker_broadcast = self._broadcast_from_chief
+            self._state.worker_mean = self._mean_over_workers
+        self._replica_id_offset = self._worker_index * len(devices)
+
+    # -- topology --------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        return self._is_chief
+
+    @property
+    def worker_group(self) -> WorkerGroup | None:
+        return self._group
+
+    # -- running -----------------------------------------------------------------------------
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.num_local_replicas > 1:
+            result = super()._call_for_each_replica(fn, args, kwargs)
+        else:
+            # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
+            self._state.sync_stale()
+            context.push_frame(self._strategy, self._single_replica_context)
+            try:
+                result = fn(*select_replica(0, args), **select_replica(0, kwargs))
+            finally:
+                context.pop_frame()
+            self._state.aggregate_buffers()
+        for synchronizer in self._synchronizers.values():
+            synchronizer.attach_hooks()
+        return result
+
+    # -- across workers -----------------------------------------------------------------------
+    def _reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._group is None:
+            return tensor
+        return self._group.all_reduce_(tensor.detach().clone(), what="reduce")
+
+    def _gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if self._group is None:
+            return tensor
+        return self._group.all_gather_along(tensor.detach(), axis, what="gather")
+
+    def _any_worker_has_data(self, local_has_data: bool) -> bool:
+        if self._group is None:
+            return local_has_data
+        flag = torch.tensor([1 if local_has_data else 0], dtype=torch.int64)
+        return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
+
+    def _broadcast_from_chief(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for dtype_group in _by_dtype_and_device(tensors):
+                flat = torch.cat([t.detach().reshape(-1) for t in dtype_group])
+                self._group.broadcast_(flat, src=0, what="initial broadcast from the chief")
+                offset = 0
+                for t in dtype_group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _mean_over_workers(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for dtype_group in _by_dtype_and_device(tensors):
+                flat = torch.cat([t.detach().reshape(-1) for t in dtype_group])
+                self._group.all_reduce_(flat, what="buffer average")
+                flat /= self._num_workers
+                offset = 0
+                for t in dtype_group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # -- gradients -----------------------------------------------------------------------------
+    def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
+        if self._group is None:
+            super()._sum_gradients(optimizer, records)
+            return
+        synchronizer = self._synchronizers.get(id(optimizer))
+        if synchronizer is None:
+            synchronizer = GradientSynchronizer(
+                records, self._group, len(self.worker_devices), self._options.bucket_bytes
+            )
+            self._synchronizers[id(optimizer)] = synchronizer
+            synchronizer.attach_hooks()
+        synchronizer.finish()
+
+    def _after_step(self, records: list[Any]) -> None:
+        # Worker 0 keeps the summed gradient; the others drop it, so gradients accumulated
+        # over several steps without zero_grad are still summed once.
+        if self._group is not None and self._worker_index != 0:
+            for record in records:
+                record.primary.grad = None
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over worker processes (one per machine or per GPU).
+
+    The cluster comes from ``cluster_resolver``, else ``TF_CONFIG``, else torchrun's
+    environment, else SLURM; with none, a single local worker. Start the same script once
+    per worker (``torch-distribute launch --nproc 2 train.py``, torchrun, or a TF_CONFIG per
+    process).
+
+    >>> import torch_distribute as td
+    >>> strategy = td.MultiWorkerMirroredStrategy()   # no cluster: one local worker
+    >>> strategy.num_replicas_in_sync
+    1
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        devices: Sequence[DeviceLike] | None = None,
+    ):
+        resolver = cluster_resolver or resolve_cluster()
+        if hasattr(resolver, "validate"):
+            resolver.validate()
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
+            )
+        parsed = canonicalize_all(devices) if devices is not None else _default_devices(resolver)
+        self._cluster_resolver = resolver
+        super().__init__(MultiWorkerMirroredExtended(self, parsed, resolver, options))
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        return self._cluster_resolver
+
+
+def _default_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
+    """All visible GPUs, or this process's GPU when several workers share a machine."""
+    devices = local_devices()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if devices[0].is_cuda and local_world > 1:
+        local_rank = getattr(resolver, "local_rank", None) or int(os.environ.get("LOCAL_RANK", "0"))
+        return (devices[local_rank % len(devices)],)
+    return devices
+
+
+def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
