@@ -16,6 +16,8 @@
 ...     loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
 """
 
+from torch_distribute import metrics
+from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -57,9 +59,6 @@ from torch_distribute.strategies import (
     StrategyExtended,
 )
 from torch_distribute.values import DistributedValues, Mirrored, PerReplica
-
-from torch_distribute import metrics  # noqa: E402,I001  (layer 7, built on the strategies)
-from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
