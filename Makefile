@@ -20,7 +20,7 @@ demo: setup
 	$(PY) examples/custom_training_loop.py --strategy mirrored --epochs 10
 
 test: setup
-	$(PY) -m ruff check torch_distribute tests examples benchmarks
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: setup

@@ -2,6 +2,7 @@
 
     torch-distribute devices    # what MirroredStrategy() would use on this machine
     torch-distribute version
+    torch-distribute launch --nproc 2 train.py --epochs 3   # local workers, see `launch -h`
 """
 
 from __future__ import annotations
@@ -30,11 +31,25 @@ def _version(_: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from torch_distribute.cluster.launcher import main as launch_main
+
+    return launch_main(args.launch_args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "launch":  # everything after `launch` belongs to the launcher
+        return _launch(argparse.Namespace(launch_args=argv[1:]))
     parser = argparse.ArgumentParser(prog="torch-distribute", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("devices", help="list the devices a strategy would use").set_defaults(run=_devices)
     commands.add_parser("version", help="print versions").set_defaults(run=_version)
+    launch = commands.add_parser(
+        "launch", help="start local worker processes of a training script", add_help=False
+    )
+    launch.add_argument("launch_args", nargs=argparse.REMAINDER)
+    launch.set_defaults(run=_launch)
     args = parser.parse_args(argv)
     return args.run(args)
 

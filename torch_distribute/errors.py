@@ -49,3 +49,7 @@ class CheckpointError(DistributeError, OSError):
 
 class WorkerUnavailableError(DistributeError, RuntimeError):
     """A worker process died, hung or could not be reached: restart the job and restore."""
+
+
+class ClusterConfigError(DistributeError, ValueError):
+    """A cluster description (``TF_CONFIG``, torchrun or SLURM environment) that is invalid."""
