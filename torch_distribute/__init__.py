@@ -16,6 +16,7 @@
 ...     loss = strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
 """
 
+from torch_distribute import cluster as cluster_resolver
 from torch_distribute import metrics
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
@@ -23,6 +24,10 @@ from torch_distribute.collectives import (
     HierarchicalCopyAllReduce,
     NcclAllReduce,
     ReductionToOneDevice,
+)
+from torch_distribute.collectives.communication import (
+    CommunicationImplementation,
+    CommunicationOptions,
 )
 from torch_distribute.context import (
     ReplicaContext,
@@ -33,6 +38,7 @@ from torch_distribute.context import (
 )
 from torch_distribute.errors import (
     CheckpointError,
+    ClusterConfigError,
     ContextError,
     DatasetError,
     DistributeError,
@@ -42,6 +48,7 @@ from torch_distribute.errors import (
     InvalidReduceOpError,
     ReplicaMismatchError,
     UnmirroredStateError,
+    WorkerUnavailableError,
 )
 from torch_distribute.input import (
     AutoShardPolicy,
@@ -54,6 +61,7 @@ from torch_distribute.losses import compute_average_loss, scale_regularization_l
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies import (
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     Strategy,
     StrategyExtended,
@@ -67,6 +75,9 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "ClusterConfigError",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "ContextError",
     "CrossDeviceOps",
     "DatasetError",
@@ -82,6 +93,7 @@ __all__ = [
     "InvalidReduceOpError",
     "Mirrored",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -93,6 +105,8 @@ __all__ = [
     "StrategyExtended",
     "UnmirroredStateError",
     "ValueContext",
+    "WorkerUnavailableError",
+    "cluster_resolver",
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",

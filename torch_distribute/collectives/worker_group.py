@@ -7,6 +7,7 @@ error names the workers that stopped answering instead of hanging or saying "tim
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import time
@@ -23,6 +24,7 @@ from torch_distribute.collectives.communication import (
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 
 _HEARTBEAT_PREFIX = "td/heartbeat/"
+_LEFT_PREFIX = "td/left/"
 
 
 class WorkerGroup:
@@ -68,8 +70,10 @@ class WorkerGroup:
         self.gradient_group = dist.new_group(backend=backend, timeout=self._timeout)
         self._heartbeat_interval = max(0.5, min(5.0, options.timeout / 6))
         self._heartbeat_stop = threading.Event()
+        self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         self._heartbeat.start()
+        atexit.register(self._announce_exit)
 
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -78,6 +82,7 @@ class WorkerGroup:
                                    timeout=datetime.timedelta(seconds=self._heartbeat_interval * 4))
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
+        self._heartbeat_client = client
         while not self._heartbeat_stop.is_set():
             try:
                 client.set(f"{_HEARTBEAT_PREFIX}{self.rank}", repr(time.time()))
@@ -85,29 +90,53 @@ class WorkerGroup:
                 return
             self._heartbeat_stop.wait(self._heartbeat_interval)
 
-    def silent_workers(self) -> list[int] | None:
-        """Ranks whose heartbeat is stale; None when the store (hosted by the chief) is gone."""
+    def _announce_exit(self) -> None:
+        """At interpreter exit (also after an uncaught exception), tell the others we left."""
+        client = self._heartbeat_client
+        if client is not None and not self._closed:
+            try:
+                client.set(f"{_LEFT_PREFIX}{self.rank}", "exited")
+            except Exception:  # noqa: BLE001 - the store may be gone already
+                pass
+
+    def missing_workers(self) -> tuple[list[int], list[int]] | None:
+        """(ranks that exited, ranks whose heartbeat stopped); None if the store is gone.
+
+        A worker killed a moment ago still has a fresh heartbeat, so this waits up to three
+        heartbeat intervals for one to go stale before concluding that nobody is missing.
+        """
         try:
             probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
                                   timeout=datetime.timedelta(seconds=5))
-            now = time.time()
-            silent = []
-            for rank in range(self.world_size):
-                key = f"{_HEARTBEAT_PREFIX}{rank}"
-                if not probe.check([key]) or now - float(probe.get(key)) > 3 * self._heartbeat_interval:
-                    silent.append(rank)
-            return silent
+            deadline = time.time() + 3 * self._heartbeat_interval
+            while True:
+                exited = [r for r in range(self.world_size) if probe.check([f"{_LEFT_PREFIX}{r}"])]
+                now = time.time()
+                silent = []
+                for rank in range(self.world_size):
+                    key = f"{_HEARTBEAT_PREFIX}{rank}"
+                    if rank not in exited and (
+                        not probe.check([key]) or now - float(probe.get(key)) > 2 * self._heartbeat_interval
+                    ):
+                        silent.append(rank)
+                if exited or silent or time.time() > deadline:
+                    return exited, silent
+                time.sleep(self._heartbeat_interval / 2)
         except Exception:  # noqa: BLE001
             return None
 
     def describe_failure(self, what: str, error: BaseException | None) -> WorkerUnavailableError:
-        silent = self.silent_workers()
-        if silent is None:
+        missing = self.missing_workers()
+        if missing is None:
             who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
-        elif silent:
-            who = "worker(s) " + ", ".join(str(r) for r in silent) + " stopped answering"
         else:
-            who = "a worker left the collective (every worker still has a heartbeat)"
+            exited, silent = missing
+            parts = []
+            if exited:
+                parts.append("worker(s) " + ", ".join(map(str, exited)) + " exited")
+            if silent:
+                parts.append("worker(s) " + ", ".join(map(str, silent)) + " stopped answering")
+            who = " and ".join(parts) or "a worker left the collective (every worker still has a heartbeat)"
         detail = f" ({type(error).__name__}: {error})" if error is not None else ""
         return WorkerUnavailableError(
             f"{what} failed on worker {self.rank} of {self.world_size}: {who}{detail}. "
@@ -183,6 +212,7 @@ class WorkerGroup:
             return
         self._closed = True
         self._heartbeat_stop.set()
+        atexit.unregister(self._announce_exit)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,11 +2,13 @@
 
 from torch_distribute.strategies.base import Strategy, StrategyExtended
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
+from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torch_distribute.strategies.single_replica import OneDeviceStrategy
 
 __all__ = [
     "MirroredReplicaContext",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "Strategy",
     "StrategyExtended",

@@ -150,7 +150,10 @@ class StrategyExtended:
             if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
                 out.append(torch.as_tensor(value.values[0]).to(_device_of(destination, self)))
                 continue
-            if not isinstance(value, DistributedValues) and op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
+            # A plain value stands for every local replica's value at once: summing it over
+            # several local replicas would count it N times. (With one local replica it is
+            # that replica's value, summed across workers as TF does.)
+            if not isinstance(value, DistributedValues) and op is ReduceOp.SUM and self.num_local_replicas > 1:
                 if isinstance(value, (int, float)) and value == 0:
                     out.append(torch.as_tensor(value).to(_device_of(destination, self)))
                     continue

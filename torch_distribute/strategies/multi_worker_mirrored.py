@@ -43,7 +43,6 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._is_chief = resolver.is_chief
         self._group: WorkerGroup | None = None
         self._synchronizers: dict[int, GradientSynchronizer] = {}
-        self._single_replica_context = context.ReplicaContext(strategy, 0)
         if self._num_workers > 1:
             host, port = resolver.rendezvous_address()
             self._group = WorkerGroup(
@@ -60,6 +59,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             self._state.worker_broadcast = self._broadcast_from_chief
             self._state.worker_mean = self._mean_over_workers
         self._replica_id_offset = self._worker_index * len(devices)
+        self._single_replica_context = context.ReplicaContext(strategy, self._replica_id_offset)
 
     # -- topology --------------------------------------------------------------------------
     @property
