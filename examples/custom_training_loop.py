@@ -6,6 +6,7 @@ The same program runs on one device, on every GPU of a machine (or CPU replicas)
     python examples/custom_training_loop.py --strategy mirrored            # 2 CPU replicas / all GPUs
     python examples/custom_training_loop.py --strategy one --epochs 5
     python examples/custom_training_loop.py --data-dir ~/fashion_mnist     # the four IDX .gz files
+    torch-distribute launch --nproc 2 examples/custom_training_loop.py --strategy multiworker
 
 Data: Fashion-MNIST from ``--data-dir`` when given, else scikit-learn's bundled handwritten
 digits resized to 28x28 (no download).
@@ -29,7 +30,7 @@ from torch_distribute.datasets import load_image_classification_data, make_loade
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", choices=["one", "mirrored"], default="mirrored")
+    parser.add_argument("--strategy", choices=["one", "mirrored", "multiworker"], default="mirrored")
     parser.add_argument(
         "--devices",
         default=None,
@@ -39,7 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size-per-replica", type=int, default=64)
     parser.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX .gz files")
-    parser.add_argument("--checkpoint-dir", default=None, help="default: a temporary folder")
+    parser.add_argument(
+        "--checkpoint-dir", default=None,
+        help="default: a new temporary folder (multiworker: <tmp>/td_training_checkpoints, shared by the workers)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser.parse_args(argv)
@@ -50,6 +54,9 @@ def make_strategy(name: str, devices: str | None) -> td.Strategy:
     if name == "one":
         default = "cuda:0" if torch.cuda.is_available() else "cpu"
         return td.OneDeviceStrategy(device_list[0] if device_list else default)
+    if name == "multiworker":
+        # The cluster comes from TF_CONFIG, torchrun's variables or SLURM.
+        return td.MultiWorkerMirroredStrategy(devices=device_list)
     if device_list is None and not torch.cuda.is_available():
         device_list = ["cpu:0", "cpu:1"]
     return td.MirroredStrategy(device_list)
@@ -68,10 +75,12 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     strategy = make_strategy(args.strategy, args.devices)
-    print(f"Number of devices: {strategy.num_replicas_in_sync} ({strategy})")
+    is_chief = strategy.extended.should_checkpoint
+    log = print if is_chief else (lambda *_args, **_kwargs: None)
+    log(f"Number of devices: {strategy.num_replicas_in_sync} ({strategy})")
 
     (train_images, train_labels), (test_images, test_labels), source = load_image_classification_data(args.data_dir)
-    print(f"Data: {source}")
+    log(f"Data: {source}")
 
     BATCH_SIZE_PER_REPLICA = args.batch_size_per_replica
     GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
@@ -82,7 +91,13 @@ def main(argv: list[str] | None = None) -> float:
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
     test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 
-    checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="td_training_checkpoints_")
+    checkpoint_dir = args.checkpoint_dir
+    if checkpoint_dir is None:
+        checkpoint_dir = (
+            os.path.join(tempfile.gettempdir(), "td_training_checkpoints")
+            if args.strategy == "multiworker"
+            else tempfile.mkdtemp(prefix="td_training_checkpoints_")
+        )
     checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 
     with strategy.scope():
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> float:
         total_loss = 0.0
         num_batches = 0
         for x in tqdm(train_dist_dataset, desc=f"Epoch {epoch + 1}/{EPOCHS}", leave=False,
-                      disable=args.no_progress):
+                      disable=args.no_progress or not is_chief):
             total_loss += distributed_train_step(x)
             num_batches += 1
         train_loss = total_loss / num_batches
@@ -138,19 +153,23 @@ def main(argv: list[str] | None = None) -> float:
             distributed_test_step(x)
 
         if epoch % 2 == 0:
-            checkpoint.save(checkpoint_prefix)
+            checkpoint.save(checkpoint_prefix)  # every worker calls it; only the chief writes
 
-        print(
+        log(
             f"Epoch {epoch + 1}, Loss: {float(train_loss):.4f}, "
             f"Accuracy: {float(train_accuracy.result()) * 100:.2f}, "
             f"Test Loss: {float(test_loss.result()):.4f}, "
             f"Test Accuracy: {float(test_accuracy.result()) * 100:.2f} "
             f"({time.perf_counter() - started:.1f}s)"
         )
-        test_loss.reset_state()
-        train_accuracy.reset_state()
-        test_accuracy.reset_state()
+        if epoch < EPOCHS - 1:
+            test_loss.reset_state()
+            train_accuracy.reset_state()
+            test_accuracy.reset_state()
 
+    final_test_accuracy = float(test_accuracy.result())  # a collective: every worker reads it
+    if not is_chief:
+        return final_test_accuracy
     # Restore the latest checkpoint *without* a strategy and evaluate it, as the tutorial does.
     eval_accuracy = td.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
     new_model = create_model()
