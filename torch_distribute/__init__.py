@@ -50,6 +50,7 @@ from torch_distribute.errors import (
     UnmirroredStateError,
     WorkerUnavailableError,
 )
+from torch_distribute.fault_tolerance import BackupAndRestore
 from torch_distribute.input import (
     AutoShardPolicy,
     InputContext,
@@ -72,6 +73,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoShardPolicy",
+    "BackupAndRestore",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",

@@ -6,6 +6,13 @@ batches whose sizes differ by at most one, each moved to its replica's device. W
 batch has fewer rows than replicas, the replicas without rows get an *empty* batch (first
 dimension 0) so the step still runs on every replica and the summed loss equals one
 device's. ``DatasetFromFunction`` feeds each replica its own consecutive elements.
+
+Across workers (``InputOptions.auto_shard_policy``): DATA — every worker reads the same
+global batches and keeps its rows; FILE — a dataset with ``shard(num_shards, index)`` gives
+each worker its own files, whose batches are that worker's share; OFF — each worker's
+dataset is already its share (sharded by the user); AUTO — FILE when the dataset can shard
+itself, else DATA. Every step the workers agree whether any replica still has data, so they
+stop together when they run out at different steps.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch_distribute.input.batching import (
     to_device,
     to_tensors,
 )
-from torch_distribute.input.input_context import InputOptions
+from torch_distribute.input.input_context import AutoShardPolicy, InputOptions
 from torch_distribute.values import regroup
 
 
@@ -117,9 +124,28 @@ class DistributedDataset(_DistributedIterable):
                 f"{type(dataset).__name__}."
             )
         super().__init__(devices, options, sync_has_data)
-        self._dataset = dataset
         self._num_workers = num_workers
         self._worker_index = worker_index
+        self._policy = self._resolve_policy(dataset)
+        if self._policy is AutoShardPolicy.FILE:
+            dataset = dataset.shard(num_workers, worker_index)  # type: ignore[attr-defined]
+        self._dataset = dataset
+
+    def _resolve_policy(self, dataset: Any) -> AutoShardPolicy:
+        policy = self._options.auto_shard_policy
+        if self._num_workers == 1:
+            return AutoShardPolicy.OFF
+        can_shard = callable(getattr(dataset, "shard", None))
+        if policy is AutoShardPolicy.AUTO:
+            return AutoShardPolicy.FILE if can_shard else AutoShardPolicy.DATA
+        if policy is AutoShardPolicy.FILE and not can_shard:
+            raise DatasetError(
+                f"AutoShardPolicy.FILE needs a dataset that can shard its files, with a method "
+                f"shard(num_shards, index); {type(dataset).__name__} has none. Use "
+                "AutoShardPolicy.DATA (every worker reads everything and keeps its rows) or "
+                "shard it yourself and use AutoShardPolicy.OFF."
+            )
+        return policy
 
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
@@ -147,11 +173,15 @@ class DistributedDataset(_DistributedIterable):
         return DistributedIterator(next_step, "experimental_distribute_dataset")
 
     def _local_rows(self, batch: Any) -> tuple[Any, list[int]]:
-        """This worker's rows of a global batch and how they split over its replicas."""
+        """This worker's rows of a batch and how they split over its replicas.
+
+        DATA: the batch is global; this worker keeps its rows (TF's batch_sizes_for_worker).
+        OFF / FILE: the batch is already this worker's share; it is split over the replicas.
+        """
         replicas = self.num_local_replicas
+        if self._policy is not AutoShardPolicy.DATA:
+            return batch, batch_sizes_for_worker(batch_dim(batch), 1, replicas, 0)
         sizes = batch_sizes_for_worker(batch_dim(batch), self._num_workers, replicas, 0)
-        if self._num_workers == 1:
-            return batch, sizes
         start = sum(sizes[: self._worker_index * replicas])
         mine = sizes[self._worker_index * replicas:(self._worker_index + 1) * replicas]
         rest = batch_dim(batch) - start - sum(mine)

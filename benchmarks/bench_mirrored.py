@@ -1,0 +1,261 @@
+"""(b) ``td.MirroredStrategy`` over 2 CPU replicas vs one hand-written process vs 2-process DDP.
+
+All three train the tutorial CNN with Adam on the same synthetic global batches of 128, from
+the same initial weights, each in its own process(es):
+
+* ``MirroredStrategy``: ``td.MirroredStrategy(["cpu:0", "cpu:1"])`` in one process with the
+  default torch threads (the strategy gives each replica thread its share); every global
+  batch is split 64/64 by ``experimental_distribute_dataset``; ``optimizer.step()`` inside
+  ``run`` sums the replicas' gradients into copy 0, steps, and broadcasts.
+* ``hand-written``: the plain PyTorch loop on the whole batch of 128 in one process with the
+  default torch threads (never imports torch_distribute).
+* ``DDP``: ``DistributedDataParallel`` over 2 gloo processes on loopback, each with
+  ``torch.set_num_threads(1)`` and its 64 rows of the global batch.
+
+Reported: seconds per step and steps/s of each (median over interleaved rounds) and the
+throughput ratios ours / hand-written and ours / DDP (> 1 means MirroredStrategy is faster).
+After timing, the parameters of MirroredStrategy are compared with the hand-written loop's
+(same init, same batches, same number of steps): printed with DDP's for scale, since in
+float32 Adam amplifies summation-order noise; then both train a fresh float64 copy for a
+few steps, which must agree to 1e-9 (a benchmark that trains wrongly is worthless).
+
+Run: ``python benchmarks/bench_mirrored.py [--rounds R --steps N --warmup W]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    Cycle,
+    Trainer,
+    Variant,
+    VariantProcess,
+    emit,
+    free_port,
+    global_batches,
+    load_average,
+    machine_line,
+    make_model,
+    make_optimizer,
+    max_abs_diff,
+    measure_interleaved,
+    median_ratio,
+    relative_l2_diff,
+)
+
+GLOBAL_BATCH = 128
+NUM_REPLICAS = 2
+# In float32, Mirrored and the hand-written loop differ by summation order (two half-batch
+# gradients summed vs one full-batch gradient); Adam divides by the gradient's RMS and so
+# amplifies that noise (plain PyTorch, full batch vs two accumulated halves: ~1e-3 relative
+# after 30 steps). The exact check is therefore in float64, where the same comparison gives
+# ~1e-15. The float32 figures are printed for information only.
+F64_TOLERANCE = 1e-9
+
+
+class HandWritten(Variant):
+    def build(self, dtype: torch.dtype) -> Trainer:
+        model = make_model(dtype=dtype)
+        optimizer = make_optimizer(model)
+        batches = Cycle(global_batches(GLOBAL_BATCH, dtype=dtype))
+        total = torch.zeros((), dtype=dtype)
+
+        def run_steps(n: int) -> None:
+            nonlocal total
+            for _ in range(n):
+                images, labels = next(batches)
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels, reduction="none").sum() / GLOBAL_BATCH
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                total += loss.detach()
+
+        return Trainer(run_steps, model)
+
+
+class Mirrored(Variant):
+    def setup(self) -> None:
+        import torch_distribute as td
+
+        self.strategy = td.MirroredStrategy([f"cpu:{k}" for k in range(NUM_REPLICAS)])
+        super().setup()
+
+    def build(self, dtype: torch.dtype) -> Trainer:
+        import torch_distribute as td
+
+        strategy = self.strategy
+        with strategy.scope():
+            model = make_model(dtype=dtype)
+            optimizer = make_optimizer(model)
+        batches = Cycle(strategy.experimental_distribute_dataset(global_batches(GLOBAL_BATCH, dtype=dtype)))
+        total = torch.zeros((), dtype=dtype)
+
+        def train_step(batch):
+            images, labels = batch
+            logits = model(images)
+            loss = td.compute_average_loss(
+                F.cross_entropy(logits, labels, reduction="none"), global_batch_size=GLOBAL_BATCH
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        def run_steps(n: int) -> None:
+            nonlocal total
+            for _ in range(n):
+                batch = next(batches)
+                per_replica = strategy.run(train_step, args=(batch,))
+                total += strategy.reduce("sum", per_replica, axis=None)
+
+        return MirroredTrainer(run_steps, model, strategy)
+
+
+class MirroredTrainer(Trainer):
+    def __init__(self, run_steps, model, strategy):
+        super().__init__(run_steps, model)
+        self.strategy = strategy
+
+    def params(self) -> dict[str, torch.Tensor]:
+        # Every replica's copy must be identical after a step; check, then return copy 0.
+        for p in self.model.parameters():
+            copies = self.strategy.experimental_local_results(p)
+            assert len(copies) == NUM_REPLICAS, len(copies)
+            for c in copies[1:]:
+                assert torch.equal(c, copies[0]), "replica copies differ after a step"
+        return super().params()
+
+
+class DDP(Variant):
+    def __init__(self, rank: int, world_size: int, port: int):
+        self.rank, self.world_size, self.port = rank, world_size, port
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(self.port)
+        dist.init_process_group(
+            "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=120)
+        )
+        self.dist = dist
+        super().setup()
+
+    def build(self, dtype: torch.dtype) -> Trainer:
+        from torch.nn.parallel import DistributedDataParallel
+
+        core = make_model(dtype=dtype)
+        model = DistributedDataParallel(core)
+        optimizer = make_optimizer(model)
+        local = GLOBAL_BATCH // self.world_size
+        lo, hi = self.rank * local, (self.rank + 1) * local
+        batches = Cycle([(x[lo:hi], y[lo:hi]) for x, y in global_batches(GLOBAL_BATCH, dtype=dtype)])
+        total = torch.zeros((), dtype=dtype)
+
+        def run_steps(n: int) -> None:
+            nonlocal total
+            for _ in range(n):
+                images, labels = next(batches)
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)  # DDP averages the ranks' gradients
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                total += loss.detach()
+
+        return Trainer(run_steps, core)
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=13)
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--check-steps", type=int, default=10, help="steps of the float64 check")
+    args = parser.parse_args(argv)
+
+    print(f"# (b) MirroredStrategy x{NUM_REPLICAS} CPU replicas vs hand-written vs DDP gloo x{NUM_REPLICAS}, "
+          f"global batch {GLOBAL_BATCH}")
+    print(f"# {machine_line()}")
+    port = free_port()
+    variants = []
+    try:
+        variants.append(VariantProcess("hand-written", HandWritten))
+        variants.append(VariantProcess("MirroredStrategy", Mirrored))
+        variants.append(VariantProcess(
+            "DDP", DDP, [(rank, NUM_REPLICAS, port) for rank in range(NUM_REPLICAS)]
+        ))
+        hand, mirrored, ddp = variants
+        per_step = measure_interleaved(variants, args.steps, args.rounds, args.warmup)
+        hand_params, ours_params, ddp_params = hand.params(), mirrored.params(), ddp.params()
+        hand_f64 = hand.reference_params(args.check_steps)
+        ours_f64 = mirrored.reference_params(args.check_steps)
+    finally:
+        for v in variants:
+            v.stop()
+
+    med = {name: statistics.median(times) for name, times in per_step.items()}
+    vs_hand = median_ratio(per_step["hand-written"], per_step["MirroredStrategy"])
+    vs_ddp = median_ratio(per_step["DDP"], per_step["MirroredStrategy"])
+    for name, times in per_step.items():
+        print(f"{name:>18}: {med[name] * 1e3:8.3f} ms/step  {1 / med[name]:6.2f} steps/s  "
+              f"(rounds: {', '.join(f'{t * 1e3:.1f}' for t in times)})")
+    print(f"throughput ratio ours / hand-written: {vs_hand:.3f}  (> 1: MirroredStrategy is faster)")
+    print(f"throughput ratio ours / DDP:          {vs_ddp:.3f}")
+
+    n_steps = args.warmup + args.rounds * args.steps
+    diff, rel = max_abs_diff(ours_params, hand_params), relative_l2_diff(ours_params, hand_params)
+    ddp_diff, ddp_rel = max_abs_diff(ddp_params, hand_params), relative_l2_diff(ddp_params, hand_params)
+    f64_diff = max_abs_diff(ours_f64, hand_f64)
+    print(f"params after the {n_steps} timed float32 steps, same init and batches "
+          "(max abs diff / relative L2 diff):")
+    print(f"  Mirrored vs hand-written: {diff:.3e} / {rel:.3e}")
+    print(f"  DDP      vs hand-written: {ddp_diff:.3e} / {ddp_rel:.3e}  (float32 summation-order noise, "
+          "amplified by Adam)")
+    print(f"  Mirrored vs DDP:          {max_abs_diff(ours_params, ddp_params):.3e} / "
+          f"{relative_l2_diff(ours_params, ddp_params):.3e}")
+    print(f"  float64, {args.check_steps} fresh steps, Mirrored vs hand-written: {f64_diff:.3e} "
+          f"(tolerance {F64_TOLERANCE:g})")
+    print(f"# load average at the end: {load_average()}")
+    result = {
+        "bench": "mirrored",
+        "global_batch": GLOBAL_BATCH,
+        "replicas": NUM_REPLICAS,
+        "hand_s_per_step": med["hand-written"],
+        "ours_s_per_step": med["MirroredStrategy"],
+        "ddp_s_per_step": med["DDP"],
+        "throughput_ratio_ours_over_hand": vs_hand,
+        "throughput_ratio_ours_over_ddp": vs_ddp,
+        "param_max_abs_diff": diff,
+        "param_rel_l2_diff": rel,
+        "ddp_param_max_abs_diff": ddp_diff,
+        "ddp_param_rel_l2_diff": ddp_rel,
+        "f64_param_max_abs_diff": f64_diff,
+        "steps_trained": n_steps,
+        "rounds": args.rounds,
+        "steps": args.steps,
+    }
+    emit(result)
+    if not f64_diff <= F64_TOLERANCE:
+        print("ERROR: MirroredStrategy did not train like the hand-written loop", file=sys.stderr)
+        sys.exit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

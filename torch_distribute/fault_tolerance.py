@@ -1,0 +1,282 @@
+"""``BackupAndRestore``: resume a custom training loop where it stopped.
+
+Wrap the loops, and the training state (your checkpoint: models, optimizers, metrics; plus
+epoch, step, the position in the data and every RNG state) is backed up every ``save_freq``
+steps (or every epoch) by the chief, atomically. When the program starts again with a backup
+present, the state is restored and the loops continue at the same epoch and step, on the
+same data, with the same random numbers: a run killed and restarted ends with the same
+parameters as one that was never interrupted.
+
+A preemption signal (SIGTERM) to any worker makes every worker save at the same step, then
+exit, as TensorFlow's ``PreemptionCheckpointHandler`` does: the preempted worker publishes
+"the step after this one" in the job's c10d store, and each worker checks the key after
+every step.
+
+>>> import tempfile, torch, torch_distribute as td
+>>> model = torch.nn.Linear(2, 1)
+>>> backup = td.BackupAndRestore(td.Checkpoint(model=model), tempfile.mkdtemp(), save_freq=2)
+>>> for epoch in backup.epochs(2):
+...     for batch in backup.steps([torch.ones(1, 2)] * 3):
+...         loss = model(batch).sum()
+>>> backup.global_step
+6
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_distribute import context
+from torch_distribute.checkpoint import Checkpoint, CheckpointManager
+from torch_distribute.errors import InvalidArgumentError
+
+_PREEMPTION_KEY = "td/preemption_step"
+PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
+
+
+class _Position:
+    """Epoch, step and RNG states; saved inside the backup checkpoint.
+
+    RNG states are per worker (each has its own dropout stream): the lists hold one state
+    per worker, gathered when the chief saves.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.global_step = 0
+        self.epoch_start_rng: list[dict[str, Any]] | None = None
+        self.current_rng: list[dict[str, Any]] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "epoch_start_rng": self.epoch_start_rng,
+            "current_rng": self.current_rng,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.global_step = int(state["global_step"])
+        self.epoch_start_rng = state["epoch_start_rng"]
+        self.current_rng = state["current_rng"]
+
+
+class BackupAndRestore:
+    """Back up training state every ``save_freq`` steps and resume from it after a restart.
+
+    ``checkpoint_or_manager``: a ``td.Checkpoint`` of your models, optimizers, metrics, LR
+    schedulers (or a ``CheckpointManager``, whose checkpoint is used). ``save_freq``:
+    ``"epoch"`` or a number of steps. ``generators``: extra ``torch.Generator`` objects whose
+    state decides the data (those of a ``DataLoader`` given to ``steps`` are found by
+    themselves). ``delete_checkpoint``: remove the backup when training finishes.
+    """
+
+    def __init__(
+        self,
+        checkpoint_or_manager: Checkpoint | CheckpointManager,
+        backup_dir: str | os.PathLike[str],
+        save_freq: int | str = "epoch",
+        delete_checkpoint: bool = True,
+        handle_preemption: bool = True,
+        generators: Iterable[torch.Generator] = (),
+        exit_fn: Callable[[], None] | None = None,
+        strategy: Any = None,
+    ):
+        checkpoint = (
+            checkpoint_or_manager.checkpoint
+            if isinstance(checkpoint_or_manager, CheckpointManager)
+            else checkpoint_or_manager
+        )
+        if not isinstance(checkpoint, Checkpoint):
+            raise InvalidArgumentError(
+                f"BackupAndRestore needs a td.Checkpoint or td.CheckpointManager, got "
+                f"{type(checkpoint_or_manager).__name__}."
+            )
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise InvalidArgumentError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
+        self._strategy = strategy or _strategy_of(checkpoint)
+        self._save_freq = save_freq
+        self._delete_checkpoint = delete_checkpoint
+        self._generators = list(generators)
+        self._exit_fn = exit_fn or (lambda: sys.exit(PREEMPTION_EXIT_CODE))
+        self._position = _Position()
+        self._manager = CheckpointManager(
+            Checkpoint(training=checkpoint, position=self._position),
+            os.fspath(backup_dir), max_to_keep=1, checkpoint_name="backup",
+        )
+        self._active_generators = list(self._generators)
+        self._epoch_start_rng: dict[str, Any] | None = None
+        self._preempted_locally = False
+        self._published = False
+        self._resume_step = 0
+        self.restored_from = self._manager.restore_or_initialize()
+        if self.restored_from is not None:
+            self._resume_step = self._position.step_in_epoch
+        if handle_preemption and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- where we are -----------------------------------------------------------------------
+    @property
+    def initial_epoch(self) -> int:
+        return self._position.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self._position.global_step
+
+    @property
+    def step_in_epoch(self) -> int:
+        return self._position.step_in_epoch
+
+    # -- the loops ----------------------------------------------------------------------------
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Epoch numbers from the restored epoch up to ``num_epochs``; backs up after each."""
+        for epoch in range(self._position.epoch, num_epochs):
+            self._position.epoch = epoch
+            yield epoch
+            self._position.epoch = epoch + 1
+            self._position.step_in_epoch = 0
+            if self._save_freq == "epoch":
+                self._save()
+        self.finish()
+
+    def steps(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """The batches of one epoch, skipping those already trained on before a restart."""
+        generators = self._generators + _find_generators(iterable)
+        self._active_generators = generators
+        resuming = self._resume_step
+        self._resume_step = 0
+        if resuming and self._position.epoch_start_rng is not None:
+            _set_rng(self._mine(self._position.epoch_start_rng), generators)
+        elif self._position.current_rng is not None and self.restored_from is not None:
+            _set_rng(self._mine(self._position.current_rng), generators)
+        self._epoch_start_rng = _get_rng(generators)
+        iterator = iter(iterable)
+        for _ in range(resuming):
+            next(iterator)
+        if resuming and self._position.current_rng is not None:
+            _set_rng(self._mine(self._position.current_rng), generators)
+        self.restored_from = None
+        for batch in iterator:
+            yield batch
+            self._position.step_in_epoch += 1
+            self._position.global_step += 1
+            saved = False
+            if self._save_freq != "epoch" and self._position.global_step % self._save_freq == 0:
+                self._save()
+                saved = True
+            if self._preemption_due():
+                if not saved:
+                    self._save()
+                self._exit_fn()
+
+    def finish(self) -> None:
+        """Training is over: delete the backup (``delete_checkpoint=True``)."""
+        if self._delete_checkpoint and self._strategy.extended.should_checkpoint:
+            for path in self._manager.checkpoints:
+                if os.path.exists(path):
+                    os.remove(path)
+            index = os.path.join(self._manager.directory, "checkpoint")
+            if os.path.exists(index):
+                os.remove(index)
+
+    # -- saving -------------------------------------------------------------------------------
+    def _save(self) -> str:
+        states = (self._epoch_start_rng, _get_rng(self._active_generators))
+        group = getattr(self._strategy.extended, "worker_group", None)
+        every_worker = group.all_gather_objects(states, what="backup") if group is not None else [states]
+        self._position.epoch_start_rng = [start for start, _ in every_worker]
+        self._position.current_rng = [current for _, current in every_worker]
+        return self._manager.save()
+
+    def _mine(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """This worker's saved RNG state (worker 0's when the worker count changed)."""
+        index = self._strategy.extended._worker_index
+        return states[index] if len(states) == self._strategy.extended._num_workers else states[0]
+
+    # -- preemption ---------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._preempted_locally = True
+
+    def _preemption_due(self) -> bool:
+        store = _job_store(self._strategy)
+        step = self._position.global_step
+        if store is None:
+            return self._preempted_locally
+        if self._preempted_locally and not self._published:
+            # Publish "the step after this one": every worker can still reach it (none can
+            # finish a step without this worker), and none has passed it.
+            store.compare_set(_PREEMPTION_KEY, "", str(step + 1))
+            self._published = True
+        if store.check([_PREEMPTION_KEY]):
+            return step >= int(store.get(_PREEMPTION_KEY))
+        return False
+
+
+def _strategy_of(checkpoint: Checkpoint) -> Any:
+    """The strategy in scope, else the one the checkpoint's objects belong to."""
+    if context.has_strategy():
+        return context.get_strategy()
+    pending = list(checkpoint._objects.values())
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, Checkpoint):
+            pending.extend(obj._objects.values())
+            continue
+        owner = getattr(obj, "_td_strategy", None) or getattr(obj, "_strategy", None)
+        if owner is not None and not owner._is_default:
+            return owner
+    return context.get_strategy()
+
+
+def _job_store(strategy: Any) -> Any:
+    group = getattr(strategy.extended, "worker_group", None)
+    return group.store if group is not None else None
+
+
+def _find_generators(iterable: Any) -> list[torch.Generator]:
+    """Generators that decide a DataLoader's order, also under a distributed dataset."""
+    found: list[torch.Generator] = []
+    loader = getattr(iterable, "_dataset", iterable)
+    for holder in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def _get_rng(generators: list[torch.Generator]) -> dict[str, Any]:
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "python": [py_version, list(py_state), py_gauss],
+        "generators": [g.get_state() for g in generators],
+    }
+
+
+def _set_rng(state: dict[str, Any], generators: list[torch.Generator]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, py_state, py_gauss = state["python"]
+    random.setstate((version, tuple(py_state), py_gauss))
+    for generator, generator_state in zip(generators, state["generators"], strict=False):
+        generator.set_state(generator_state)
