@@ -67,7 +67,7 @@ def train_step(x, y):
     return loss
 
 
-for epoch in backup.epochs(args.epochs):
+for _epoch in backup.epochs(args.epochs):
     for x, y in backup.steps(dist_ds):
         strategy.run(train_step, args=(x, y))
         done = backup.global_step + 1
