@@ -130,6 +130,11 @@ class DistributedDataset(_DistributedIterable):
         if self._policy is AutoShardPolicy.FILE:
             dataset = dataset.shard(num_workers, worker_index)  # type: ignore[attr-defined]
         self._dataset = dataset
+        # With DATA sharding of a sized dataset every worker reads the same batches, so all
+        # run out at the same step: no need to agree on it with a collective every step.
+        same_length_everywhere = self._policy is AutoShardPolicy.DATA and hasattr(dataset, "__len__")
+        if same_length_everywhere:
+            self._sync_has_data = lambda has_data: has_data
 
     def _resolve_policy(self, dataset: Any) -> AutoShardPolicy:
         policy = self._options.auto_shard_policy
@@ -168,6 +173,8 @@ class DistributedDataset(_DistributedIterable):
                 local, sizes = empty_like_batch(template[0]), [0] * self.num_local_replicas
             if not template:
                 template.append(empty_like_batch(local))
+            if len(sizes) == 1:
+                return self._place([local])
             return self._place(split_batch(local, sizes))
 
         return DistributedIterator(next_step, "experimental_distribute_dataset")

@@ -164,7 +164,11 @@ class StrategyExtended:
                         "PerReplica value returned by strategy.run(), or use ReduceOp.MEAN."
                     )
             components = self._components(value)
-            total = self._cross_device_ops.reduce(ReduceOp.SUM, components, _device_of(destination, self))
+            device = _device_of(destination, self)
+            if len(components) == 1:  # nothing to combine locally: no packing
+                total = components[0].to(device, copy=True)
+            else:
+                total = self._cross_device_ops.reduce(ReduceOp.SUM, components, device)
             total = self._reduce_across_workers(total)
             out.append(_divide(total, self.num_replicas_in_sync) if op is ReduceOp.MEAN else total)
         return out

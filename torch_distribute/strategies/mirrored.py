@@ -126,6 +126,9 @@ class MirroredExtended(StrategyExtended):
         ]
         if not with_grad:
             return
+        if len(set(self._torch_devices)) == 1:
+            self._sum_in_place(with_grad)
+            return
         per_replica = [
             [r.copies[k].grad if r.copies[k].grad is not None else torch.zeros_like(r.copies[k])
              for r in with_grad]
@@ -142,6 +145,25 @@ class MirroredExtended(StrategyExtended):
             # accumulated over several steps without zero_grad are still summed once.
             for replica_copy in record.copies[1:]:
                 replica_copy.grad = None
+
+    def _sum_in_place(self, records: list[Any]) -> None:
+        """Replicas on one device (CPU replicas): add every replica's gradient into copy 0's.
+
+        Same order of additions as the packed reduction (replica 0, 1, 2, ...), without
+        packing and unpacking: one fused ``_foreach_add_`` per replica.
+        """
+        with torch.no_grad():
+            for record in records:
+                if record.primary.grad is None:
+                    record.primary.grad = torch.zeros_like(record.primary)
+            targets = [r.primary.grad for r in records]
+            for k in range(1, self.num_local_replicas):
+                pairs = [(t, r.copies[k].grad) for t, r in zip(targets, records, strict=True)
+                         if r.copies[k].grad is not None]
+                if pairs:
+                    torch._foreach_add_([t for t, _ in pairs], [g for _, g in pairs])
+                for record in records:
+                    record.copies[k].grad = None
 
     def _after_step(self, records: list[Any]) -> None:
         """Hook for multi-worker strategies (only one worker keeps the summed gradient)."""

@@ -1,30 +1,32 @@
 """Run one function on several replicas of one process, concurrently, with ``merge_call``.
 
-One persistent thread per replica. The calling thread coordinates: it waits until every
-replica has either returned or paused in ``merge_call``; when all have paused it runs the
-merge function once (cross-replica context) and hands each replica its part of the result.
-Replicas that disagree on the number of merge calls get ``ReplicaMismatchError``, never a
-hang. Torch kernels release the GIL, so CPU replicas and CUDA devices compute in parallel;
-each CPU replica thread gets its share of the intra-op threads so they do not oversubscribe
-the cores.
+Replica 0 runs on the calling thread; replicas 1..N-1 on persistent threads. A replica that
+calls ``merge_call`` pauses; the *last* one to arrive runs the merge function once, in
+cross-replica context, and hands each replica its part of the result, so a merge costs one
+wake-up, not a round trip through a coordinator. Replicas that disagree on the number of
+merge calls get ``ReplicaMismatchError``, never a hang. Torch kernels release the GIL, so
+CPU replicas and CUDA devices compute in parallel; each CPU replica gets its share of the
+intra-op threads so they do not oversubscribe the cores, and the serial merge gets them all.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 from torch_distribute import context
 from torch_distribute.errors import ContextError, ReplicaMismatchError
+from torch_distribute.strategies.replicated_state import ReplicaTensorMode
 from torch_distribute.values import regroup, select_replica
 
 _IDLE, _RUNNING, _MERGING, _DONE = "idle", "running", "merging", "done"
-
 
 _live_groups: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
 
@@ -52,43 +54,55 @@ class _ThreadState:
             for device_type in ("cpu", "cuda")
         }
 
-    def enter(self) -> list[Any]:
-        managers: list[Any] = [torch.set_grad_enabled(self.grad_enabled)]
-        if self.inference:
-            managers.append(torch.inference_mode(True))
-        for device_type, (enabled, dtype) in self.autocast.items():
-            if enabled:
-                managers.append(torch.autocast(device_type, dtype=dtype))
-        for manager in managers:
-            manager.__enter__()
-        return managers
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            if self.inference:
+                stack.enter_context(torch.inference_mode(True))
+            for device_type, (enabled, dtype) in self.autocast.items():
+                if enabled:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            yield
+
+
+class _Run:
+    """Everything about one ``run`` call that the replicas and the merger need."""
+
+    def __init__(self, fn, args, kwargs, strategy, replica_contexts, modes, n):
+        self.fn = fn
+        self.args = [select_replica(k, args) for k in range(n)]
+        self.kwargs = [select_replica(k, kwargs) for k in range(n)]
+        self.strategy = strategy
+        self.frames = context.current_frames()
+        self.thread_state = _ThreadState()
+        self.replica_contexts = replica_contexts
+        self.modes = modes
 
 
 class ReplicaThreads:
     """A fixed group of replica threads owned by one strategy."""
 
-    def __init__(
-        self,
-        devices: list[torch.device],
-        intra_op_threads: int | None,
-    ):
+    def __init__(self, devices: list[torch.device], intra_op_threads: int | None):
         self._n = len(devices)
         self._devices = devices
         self._intra_op_threads = intra_op_threads
         self._cond = threading.Condition()
         self._states = [_IDLE] * self._n
-        self._tasks: list[Any] = [None] * self._n
         self._results: list[Any] = [None] * self._n
         self._errors: list[BaseException | None] = [None] * self._n
         self._merge_requests: list[Any] = [None] * self._n
         self._merge_results: list[Any] = [None] * self._n
+        self._failure: BaseException | None = None
+        self._current: _Run | None = None
+        self._pending = [False] * self._n
         self._closed = False
         self._run_lock = threading.Lock()
-        self._ready = threading.Barrier(self._n + 1)
-        main_thread_count = torch.get_num_threads()
+        self._full_threads = torch.get_num_threads()
+        self._ready = threading.Barrier(self._n)
         self._threads = [
             threading.Thread(target=self._loop, args=(k,), name=f"td-replica-{k}", daemon=True)
-            for k in range(self._n)
+            for k in range(1, self._n)
         ]
         for thread in self._threads:
             thread.start()
@@ -96,18 +110,11 @@ class ReplicaThreads:
         _live_groups.add(self)
         # torch.set_num_threads in the replica threads also changed the process-wide default
         # that new threads start from; give the caller's setting back.
-        torch.set_num_threads(main_thread_count)
+        torch.set_num_threads(self._full_threads)
 
-    # -- called by the strategy (cross-replica side) ----------------------------------------
-    def run(
-        self,
-        fn: Callable[..., Any],
-        args: tuple,
-        kwargs: dict,
-        strategy: Any,
-        replica_contexts: list[context.ReplicaContext],
-        modes: list[Any],
-    ) -> Any:
+    # -- called by the strategy -----------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: Any,
+            replica_contexts: list[context.ReplicaContext], modes: list[TorchFunctionMode]) -> Any:
         """Run ``fn`` on every replica; ``replica_contexts[k]``/``modes[k]`` are replica k's."""
         if not self._run_lock.acquire(blocking=False):
             raise ContextError(
@@ -115,97 +122,51 @@ class ReplicaThreads:
                 "is in progress (from another thread or from inside a replica function)."
             )
         try:
-            return self._run(fn, args, kwargs, strategy, replica_contexts, modes)
+            current = _Run(fn, args, kwargs, strategy, replica_contexts, modes, self._n)
+            with self._cond:
+                self._current = current
+                self._failure = None
+                self._states = [_RUNNING] * self._n
+                self._results = [None] * self._n
+                self._errors = [None] * self._n
+                self._pending = [False] + [True] * (self._n - 1)
+                self._cond.notify_all()
+            with self._intra_op(self._intra_op_threads):
+                self._execute(0, current)
+            with self._cond:
+                self._cond.wait_for(lambda: all(s == _DONE for s in self._states))
+                outputs, errors, failure = self._results, self._errors, self._failure
+                self._states = [_IDLE] * self._n
+                self._results = [None] * self._n
+                self._errors = [None] * self._n
+                self._current = None
         finally:
             self._run_lock.release()
-
-    def _run(self, fn, args, kwargs, strategy, replica_contexts, modes) -> Any:
-        frames = context.current_frames()
-        thread_state = _ThreadState()
-        with self._cond:
-            for k in range(self._n):
-                self._tasks[k] = (
-                    fn,
-                    select_replica(k, args),
-                    select_replica(k, kwargs),
-                    frames,
-                    thread_state,
-                    replica_contexts[k],
-                    modes[k],
-                )
-                self._states[k] = _RUNNING
-                self._results[k] = self._errors[k] = None
-            self._cond.notify_all()
-            failure: BaseException | None = None
-            while True:
-                self._cond.wait_for(lambda: _RUNNING not in self._states)
-                merging = [k for k in range(self._n) if self._states[k] == _MERGING]
-                if not merging:
-                    break
-                done = [k for k in range(self._n) if self._states[k] == _DONE]
-                if failure is None and done:
-                    failure = next((self._errors[k] for k in done if self._errors[k] is not None), None)
-                    if failure is None:
-                        failure = ReplicaMismatchError(
-                            "Some replicas made a different number of merge_call() calls: "
-                            f"replica(s) {done} returned while replica(s) {merging} waited in "
-                            "merge_call (optimizer.step(), all_reduce, metric.result() and "
-                            "scheduler.step() all merge). Every replica must make the same "
-                            "sequence of these calls."
-                        )
-                if failure is None:
-                    self._cond.release()
-                    try:
-                        results = self._merge(merging, strategy, frames)
-                    except BaseException as error:  # noqa: BLE001 - re-raised below
-                        failure = error
-                    finally:
-                        self._cond.acquire()
-                if failure is not None:
-                    results = [_Abort() for _ in merging]
-                for k, result in zip(merging, results, strict=True):
-                    self._merge_results[k] = result
-                    self._states[k] = _RUNNING
-                self._cond.notify_all()
-            outputs = list(self._results)
-            errors = list(self._errors)
-            self._states = [_IDLE] * self._n
-            self._results = [None] * self._n
-            self._errors = [None] * self._n
         if failure is None:
             failure = next((e for e in errors if e is not None and not isinstance(e, _Abort)), None)
         if failure is not None:
             raise failure
         return regroup(outputs)
 
-    def _merge(self, merging: list[int], strategy: Any, frames: list[Any]) -> list[Any]:
-        requests = [self._merge_requests[k] for k in merging]
-        merge_fn, _, _ = requests[0]
-        merged_args = regroup([r[1] for r in requests])
-        merged_kwargs = regroup([r[2] for r in requests])
-        saved = context.current_frames()
-        context.set_frames(frames)
-        context.push_frame(strategy, None)
+    # -- one replica --------------------------------------------------------------------------
+    def _execute(self, k: int, current: _Run) -> None:
+        saved_frames = context.current_frames()
+        context.set_frames(current.frames)
+        context.push_frame(current.strategy, current.replica_contexts[k])
+        result, error = None, None
         try:
-            result = merge_fn(strategy, *merged_args, **merged_kwargs)
+            with current.thread_state.applied(), current.modes[k]:
+                result = current.fn(*current.args[k], **current.kwargs[k])
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            error = exc
         finally:
-            context.set_frames(saved)
-        return [select_replica(k, result) for k in range(self._n)]
-
-    # -- called from inside a replica ---------------------------------------------------
-    def merge_call(self, local_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            context.set_frames(saved_frames)
         with self._cond:
-            self._merge_requests[local_id] = (merge_fn, args, kwargs)
-            self._states[local_id] = _MERGING
+            self._results[k], self._errors[k] = result, error
+            self._states[k] = _DONE
+            self._abort_if_mismatched()
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._states[local_id] == _RUNNING)
-            result = self._merge_results[local_id]
-            self._merge_results[local_id] = self._merge_requests[local_id] = None
-        if isinstance(result, _Abort):
-            raise result
-        return result
 
-    # -- the replica threads ---------------------------------------------------------------
     def _loop(self, k: int) -> None:
         device = self._devices[k]
         if device.type == "cuda":
@@ -216,30 +177,90 @@ class ReplicaThreads:
         self._ready.wait()
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._tasks[k] is not None or self._closed)
+                self._cond.wait_for(lambda: self._pending[k] or self._closed)
                 if self._closed:
                     return
-                fn, args, kwargs, frames, thread_state, replica_context, mode = self._tasks[k]
-                self._tasks[k] = None
-            result, error = None, None
-            context.set_frames(frames)
-            context.push_frame(replica_context.strategy, replica_context)
-            managers = thread_state.enter()
-            try:
-                with mode:
-                    result = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                error = exc
-            finally:
-                for manager in reversed(managers):
-                    manager.__exit__(None, None, None)
-                context.set_frames([])
-            del fn, args, kwargs, frames, replica_context, mode
-            with self._cond:
-                self._results[k] = result
-                self._errors[k] = error
-                self._states[k] = _DONE
+                self._pending[k] = False
+                current = self._current
+            self._execute(k, current)
+            del current
+
+    # -- merge_call ---------------------------------------------------------------------------
+    def merge_call(self, local_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        with self._cond:
+            if self._failure is not None:
+                raise _Abort()
+            self._merge_requests[local_id] = (merge_fn, args, kwargs)
+            self._states[local_id] = _MERGING
+            last = all(s == _MERGING for s in self._states)
+            if not last:
+                self._abort_if_mismatched()
                 self._cond.notify_all()
+                self._cond.wait_for(lambda: self._states[local_id] != _MERGING)
+        if last:
+            self._merge()
+        with self._cond:
+            result = self._merge_results[local_id]
+            self._merge_results[local_id] = self._merge_requests[local_id] = None
+        if isinstance(result, _Abort):
+            raise result
+        return result
+
+    def _merge(self) -> None:
+        """Run by the last replica to arrive: the merge function, once, cross-replica."""
+        current = self._current
+        requests = list(self._merge_requests)
+        merge_fn = requests[0][0]
+        saved_frames = context.current_frames()
+        try:
+            merged_args = regroup([r[1] for r in requests])
+            merged_kwargs = regroup([r[2] for r in requests])
+            context.set_frames(current.frames)
+            context.push_frame(current.strategy, None)
+            with _outside_replica_mode(), self._intra_op(self._full_threads):
+                result = merge_fn(current.strategy, *merged_args, **merged_kwargs)
+            results = [select_replica(k, result) for k in range(self._n)]
+        except BaseException as error:  # noqa: BLE001 - every replica raises it
+            results = [_Abort() for _ in range(self._n)]
+            with self._cond:
+                self._failure = error
+        finally:
+            context.set_frames(saved_frames)
+        with self._cond:
+            self._merge_results = results
+            self._states = [_RUNNING] * self._n
+            self._cond.notify_all()
+
+    def _abort_if_mismatched(self) -> None:
+        """Called with the lock held: some replicas returned while others wait in merge_call."""
+        if _RUNNING in self._states or _MERGING not in self._states:
+            return
+        done = [k for k, s in enumerate(self._states) if s == _DONE]
+        merging = [k for k, s in enumerate(self._states) if s == _MERGING]
+        if self._failure is None:
+            self._failure = next((self._errors[k] for k in done if self._errors[k] is not None), None)
+        if self._failure is None:
+            self._failure = ReplicaMismatchError(
+                "Some replicas made a different number of merge_call() calls: "
+                f"replica(s) {done} returned while replica(s) {merging} waited in merge_call "
+                "(optimizer.step(), all_reduce, metric.result() and scheduler.step() all merge). "
+                "Every replica must make the same sequence of these calls."
+            )
+        for k in merging:
+            self._merge_results[k] = _Abort()
+            self._states[k] = _RUNNING
+
+    @contextlib.contextmanager
+    def _intra_op(self, count: int | None) -> Iterator[None]:
+        if count is None or self._intra_op_threads is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
 
     def close(self) -> None:
         """Stop the replica threads (idempotent); waits briefly for them to exit."""
@@ -249,3 +270,14 @@ class ReplicaThreads:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _outside_replica_mode() -> Iterator[None]:
+    """The merge works on copy 0 itself: lift this thread's replica substitution, if any."""
+    mode = _get_current_function_mode()
+    if isinstance(mode, ReplicaTensorMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield

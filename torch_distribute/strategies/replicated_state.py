@@ -208,16 +208,21 @@ class ReplicaTensorMode(TorchFunctionMode):
 
     def __init__(self, state: ReplicatedState, local_replica_id: int, strict: bool):
         super().__init__()
-        self._records = state._records
-        self._index = local_replica_id
+        # Built once per run: primary id -> (primary, this replica's copy). Holding the primary
+        # makes the identity check exact (an id is never reused while the pair is held).
+        self._table = {
+            id(r.primary): (r.primary, r.copies[local_replica_id])
+            for r in state.records()
+            if r.copies is not None
+        }
         self._strict = strict
         self._num_replicas = state.num_replicas
 
     def _swap(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            record = self._records.get(id(value))
-            if record is not None and record._primary() is value:
-                return record.copies[self._index]
+            entry = self._table.get(id(value))
+            if entry is not None and entry[0] is value:
+                return entry[1]
             if self._strict and isinstance(value, nn.Parameter):
                 raise UnmirroredStateError(
                     f"A parameter of shape {tuple(value.shape)} that was not registered on a "
