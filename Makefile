@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/custom_training_loop.py --strategy mirrored --epochs 10
+	$(PY) examples/custom_training_loop.py --strategy mirrored --epochs 11 --batch-size-per-replica 16 --cosine-decay
 
 test: setup
 	$(PY) -m ruff check .

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size-per-replica", type=int, default=64)
+    parser.add_argument("--cosine-decay", action="store_true",
+                        help="decay the learning rate to 0 over the run (stepped inside train_step)")
     parser.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX .gz files")
     parser.add_argument(
         "--checkpoint-dir", default=None,
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> float:
     with strategy.scope():
         model = create_model()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scheduler = (
+            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=EPOCHS * len(train_dist_dataset))
+            if args.cosine_decay else None
+        )
         checkpoint = td.Checkpoint(optimizer=optimizer, model=model)
 
         def compute_loss(labels: torch.Tensor, predictions: torch.Tensor) -> torch.Tensor:
@@ -121,6 +127,8 @@ def main(argv: list[str] | None = None) -> float:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()  # every replica calls it; it advances once per step
         train_accuracy.update_state(labels, predictions)
         return loss
 
