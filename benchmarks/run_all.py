@@ -7,6 +7,10 @@ Compared (see each script's docstring):
 * (b) ``bench_mirrored.py``: ``MirroredStrategy`` over 2 CPU replicas vs the hand-written
   loop in one process and vs DDP over 2 gloo processes, global batch 128 (throughput ratios,
   > 1 means MirroredStrategy is faster), with a check that it trains like the hand-written loop.
+* (c) ``bench_multi_worker.py``: ``MultiWorkerMirroredStrategy`` over 2 gloo worker processes
+  vs raw DDP over 2 gloo processes, global batch 128 (goal: throughput ours / DDP >= 0.99),
+  with a check that it trains like DDP; and the all-reduce throughput of its gradient path
+  vs a bare ``torch.distributed.all_reduce`` of the same bytes (1, 4, 16 MiB).
 
 Each benchmark runs as a subprocess (its variants in processes of their own), so thread
 settings and torch hooks never leak between measurements. ``make bench`` calls this script.
@@ -30,7 +34,9 @@ TIMEOUT_S = 600
 QUICK_ARGS = {
     "bench_one_device.py": ["--rounds", "3", "--steps", "10", "--warmup", "3"],
     "bench_mirrored.py": ["--rounds", "3", "--steps", "5", "--warmup", "2", "--check-steps", "3"],
+    "bench_multi_worker.py": ["--quick"],
 }
+SCRIPTS = ("bench_one_device.py", "bench_mirrored.py", "bench_multi_worker.py")
 
 
 def run(script: str, extra: list[str]) -> tuple[dict | None, str, int]:
@@ -60,7 +66,7 @@ def machine_line(output: str) -> str:
     return ""
 
 
-def table(one: dict | None, mirrored: dict | None, machine: str) -> str:
+def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: str) -> str:
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     sps = lambda s: f"{1 / s:.1f}"  # noqa: E731
     lines = [
@@ -94,6 +100,27 @@ def table(one: dict | None, mirrored: dict | None, machine: str) -> str:
         ]
     else:
         lines.append("| (b) mirrored | failed | | | | |")
+    if multi:
+        w = multi
+        lines += [
+            f"| (c) {w['workers']} workers, global batch {w['global_batch']} | DDP, {w['workers']} gloo "
+            f"processes x 1 thread | {ms(w['ddp_s_per_step'])} | {sps(w['ddp_s_per_step'])} | | |",
+            f"| | `MultiWorkerMirroredStrategy()`, {w['workers']} gloo workers x 1 thread | "
+            f"{ms(w['ours_s_per_step'])} | {sps(w['ours_s_per_step'])} | "
+            f"**{w['throughput_ratio_ours_over_ddp']:.3f}** (throughput, ours / DDP) | >= 0.99 |",
+        ]
+        for row in w["allreduce"]:
+            size = f"{row['bytes'] / 2**20:.0f} MiB"
+            lines += [
+                f"| (c) gradient all-reduce, {size} float32, 2 workers | bare `dist.all_reduce` | "
+                f"{ms(row['bare_s'])} | {row['bare_gbps']:.2f} GB/s | | |",
+                f"| | bare + copies into / out of the flat tensor (as DDP) | {ms(row['copies_s'])} | "
+                f"{row['copies_gbps']:.2f} GB/s | | |",
+                f"| | ours: `strategy.run` of a step with no-op update | {ms(row['ours_s'])} | "
+                f"{row['ours_gbps']:.2f} GB/s | **{row['ratio_ours_over_bare']:.2f}** (throughput, ours / bare) | |",
+            ]
+    else:
+        lines.append("| (c) multi-worker | failed | | | | |")
     lines.append("")
     if one:
         lines.append(
@@ -107,6 +134,15 @@ def table(one: dict | None, mirrored: dict | None, machine: str) -> str:
             f"{mirrored['ddp_param_max_abs_diff']:.1e}: summation order, amplified by Adam); "
             f"float64 check: {mirrored['f64_param_max_abs_diff']:.1e}."
         )
+    if multi:
+        lines.append(
+            f"(c) parameters after the {multi['steps_trained']} timed float32 steps: MWMS worker 0 vs 1 "
+            f"{multi['workers_param_max_abs_diff']:.1e}; MWMS vs DDP max abs diff "
+            f"{multi['param_max_abs_diff_vs_ddp']:.1e}; float64 check vs DDP: "
+            f"{multi['f64_param_max_abs_diff_vs_ddp']:.1e}. All-reduce: GB/s = tensor bytes / time; ours "
+            "is the whole time `strategy.run` adds to get the summed gradients into `.grad` (no backward "
+            "to overlap with), see `bench_multi_worker.py`."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -117,13 +153,14 @@ def main() -> int:
     outputs = {}
     results = {}
     codes = {}
-    for script in ("bench_one_device.py", "bench_mirrored.py"):
+    for script in SCRIPTS:
         extra = QUICK_ARGS[script] if args.quick else []
         results[script], outputs[script], codes[script] = run(script, extra)
     md = table(
         results["bench_one_device.py"],
         results["bench_mirrored.py"],
-        machine_line(outputs["bench_one_device.py"]) or machine_line(outputs["bench_mirrored.py"]),
+        results["bench_multi_worker.py"],
+        next((line for line in map(machine_line, outputs.values()) if line), ""),
     )
     print()
     print(md)

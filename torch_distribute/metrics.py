@@ -431,10 +431,7 @@ class MeanAbsoluteError(_MeanMetricWrapper):
     _default_name = "mean_absolute_error"
 
     def _values(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        y_true, y_pred = _align_ranks(y_true, y_pred)
-        dtype = _acc_dtype(y_pred.device)
-        error = (y_pred.to(dtype) - y_true.to(dtype)).abs()
-        return error.mean(-1) if error.dim() >= 2 else error
+        return _per_sample_error(y_true, y_pred, torch.abs)
 
 
 class MeanSquaredError(_MeanMetricWrapper):
@@ -450,10 +447,15 @@ class MeanSquaredError(_MeanMetricWrapper):
     _default_name = "mean_squared_error"
 
     def _values(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        y_true, y_pred = _align_ranks(y_true, y_pred)
-        dtype = _acc_dtype(y_pred.device)
-        error = (y_pred.to(dtype) - y_true.to(dtype)).square()
-        return error.mean(-1) if error.dim() >= 2 else error
+        return _per_sample_error(y_true, y_pred, torch.square)
+
+
+def _per_sample_error(y_true: torch.Tensor, y_pred: torch.Tensor, penalty: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``penalty(y_pred - y_true)`` averaged over the last axis (one value per sample)."""
+    y_true, y_pred = _align_ranks(y_true, y_pred)
+    dtype = _acc_dtype(y_pred.device)
+    error = penalty(y_pred.to(dtype) - y_true.to(dtype))
+    return error.mean(-1) if error.dim() >= 2 else error
 
 
 # -- torchmetrics adapter ------------------------------------------------------------------------
