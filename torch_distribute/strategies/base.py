@@ -142,7 +142,7 @@ class StrategyExtended:
         return self.batch_reduce_to(reduce_op, [(value, destinations)])[0]
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Iterable[tuple[Any, Any]]) -> list[torch.Tensor]:
-        """``reduce_to`` for many values at once (one packed reduction)."""
+        """``reduce_to`` for several (value, destination) pairs."""
         op = ReduceOp.from_value(reduce_op)
         pairs = list(value_destination_pairs)
         out = []
