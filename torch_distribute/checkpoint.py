@@ -35,6 +35,7 @@ import torch
 
 from torch_distribute import context
 from torch_distribute.errors import CheckpointError, ContextError, InvalidArgumentError
+from torch_distribute.strategies import owner_of
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "latest_checkpoint"]
 
@@ -162,9 +163,25 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _should_write() -> bool:
+def owning_strategy(objects: Any) -> Any:
+    """The strategy in scope, else the one the objects (or nested checkpoints) belong to."""
+    if context.has_strategy():
+        return context.get_strategy()
+    pending = list(objects)
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, Checkpoint):
+            pending.extend(obj._objects.values())
+            continue
+        owner = owner_of(obj)
+        if owner is not None:
+            return owner
+    return context.get_strategy()
+
+
+def _should_write(objects: Any) -> bool:
     """Only the chief touches the files; other workers compute the same state and skip it."""
-    return bool(getattr(context.get_strategy().extended, "should_checkpoint", True))
+    return bool(getattr(owning_strategy(objects).extended, "should_checkpoint", True))
 
 
 def _check_not_in_replica(method: str) -> None:
@@ -312,7 +329,7 @@ class Checkpoint:
             "save_counter": save_counter,
             "objects": state["objects"],
         }
-        if not _should_write():
+        if not _should_write(self._objects.values()):
             return
         try:
             _atomic_write(path, lambda f: torch.save(payload, f))
@@ -357,7 +374,7 @@ class Checkpoint:
         path = f"{file_prefix}-{number}"
         self._write_file(path, number, "save")
         self.save_counter = number
-        if _should_write():
+        if _should_write(self._objects.values()):
             directory, basename = _directory_of(path), os.path.basename(path)
             index = _read_index(directory) or {}
             names = [
@@ -555,7 +572,7 @@ class CheckpointManager:
         if self._max_to_keep is not None and len(names) > self._max_to_keep:
             stale, names = names[: -self._max_to_keep], names[-self._max_to_keep:]
         self._names = names
-        if _should_write():
+        if _should_write(self._checkpoint._objects.values()):
             # Index first: a crash before the deletes leaves extra files, never a dangling index.
             _write_index(self._directory, basename, names)
             for old in stale:

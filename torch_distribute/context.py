@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_distribute.errors import ContextError
+from torch_distribute.values import select_replica
 
 if TYPE_CHECKING:  # pragma: no cover - typing only, strategies sit in a higher layer
     from torch_distribute.strategies.base import Strategy
@@ -200,9 +201,11 @@ class ReplicaContext:
     def _merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         push_frame(self._strategy, None)
         try:
-            return merge_fn(self._strategy, *args, **kwargs)
+            result = merge_fn(self._strategy, *args, **kwargs)
         finally:
             pop_frame()
+        # This process's only replica takes its component of per-replica results.
+        return select_replica(0, result)
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
         """Reduce ``value`` (a tensor or nest of tensors) over all replicas; differentiable."""

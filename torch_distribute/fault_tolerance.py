@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_distribute import context
-from torch_distribute.checkpoint import Checkpoint, CheckpointManager
+from torch_distribute.checkpoint import Checkpoint, CheckpointManager, owning_strategy
 from torch_distribute.errors import InvalidArgumentError
 
 _PREEMPTION_KEY = "td/preemption_step"
@@ -107,7 +106,7 @@ class BackupAndRestore:
             )
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise InvalidArgumentError(f"save_freq must be 'epoch' or a positive int, got {save_freq!r}.")
-        self._strategy = strategy or _strategy_of(checkpoint)
+        self._strategy = strategy or owning_strategy([checkpoint])
         self._save_freq = save_freq
         self._delete_checkpoint = delete_checkpoint
         self._generators = list(generators)
@@ -224,22 +223,6 @@ class BackupAndRestore:
         if store.check([_PREEMPTION_KEY]):
             return step >= int(store.get(_PREEMPTION_KEY))
         return False
-
-
-def _strategy_of(checkpoint: Checkpoint) -> Any:
-    """The strategy in scope, else the one the checkpoint's objects belong to."""
-    if context.has_strategy():
-        return context.get_strategy()
-    pending = list(checkpoint._objects.values())
-    while pending:
-        obj = pending.pop()
-        if isinstance(obj, Checkpoint):
-            pending.extend(obj._objects.values())
-            continue
-        owner = getattr(obj, "_td_strategy", None) or getattr(obj, "_strategy", None)
-        if owner is not None and not owner._is_default:
-            return owner
-    return context.get_strategy()
 
 
 def _job_store(strategy: Any) -> Any:

@@ -25,6 +25,7 @@ from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 
 _HEARTBEAT_PREFIX = "td/heartbeat/"
 _LEFT_PREFIX = "td/left/"
+_JOINED_PREFIX = "td/joined/"
 
 
 class WorkerGroup:
@@ -49,17 +50,7 @@ class WorkerGroup:
         self._closed = False
         backend = _backend(options.implementation, use_cuda)
         self.uses_nccl = "nccl" in backend
-        try:
-            self.store = dist.TCPStore(
-                host, port, world_size, is_master=(rank == 0), timeout=self._timeout,
-                wait_for_workers=True,
-            )
-        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
-            raise WorkerUnavailableError(
-                f"Worker {rank} could not join the job at {host}:{port} within "
-                f"{options.timeout:.0f} s ({error}). Check that every worker was started with the "
-                "same cluster configuration and that the chief (worker 0) is running."
-            ) from error
+        self.store = self._rendezvous()
         if dist.is_initialized():
             raise WorkerUnavailableError(
                 "torch.distributed is already initialized in this process; create the "
@@ -74,6 +65,39 @@ class WorkerGroup:
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         self._heartbeat.start()
         atexit.register(self._announce_exit)
+
+    def _rendezvous(self) -> dist.TCPStore:
+        """Meet at the chief's TCPStore; name the workers that did not turn up in time."""
+        timeout = self.options.timeout
+        try:
+            if self.rank == 0:
+                store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
+                                      timeout=self._timeout, wait_for_workers=False)
+            else:
+                # The client retries once after a random back-off as long as its timeout: give
+                # each attempt half, so the whole wait stays within timeout_seconds.
+                store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=timeout / 2))
+                store.set_timeout(self._timeout)
+        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} could not reach the chief (worker 0) at {self.host}:{self.port} "
+                f"within {timeout:.0f} s ({error}). Check that the chief is running and that every "
+                "worker was started with the same cluster configuration."
+            ) from error
+        joined = [f"{_JOINED_PREFIX}{r}" for r in range(self.world_size)]
+        store.set(joined[self.rank], "1")
+        try:
+            store.wait(joined, self._timeout)
+        except Exception as error:  # noqa: BLE001 - rewrapped with the missing ranks
+            missing = [r for r, key in enumerate(joined) if not store.check([key])]
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} waited {timeout:.0f} s at {self.host}:{self.port} for all "
+                f"{self.world_size} workers, but worker(s) {', '.join(map(str, missing))} never "
+                "joined. Start every worker (same cluster configuration), or raise "
+                "CommunicationOptions(timeout_seconds=...)."
+            ) from error
+        return store
 
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:

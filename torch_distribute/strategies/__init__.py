@@ -1,6 +1,7 @@
 """Strategies: one module per strategy, all on the ``Strategy`` base."""
 
 from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.capture import owner_of
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
 from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torch_distribute.strategies.single_replica import OneDeviceStrategy
@@ -12,4 +13,5 @@ __all__ = [
     "OneDeviceStrategy",
     "Strategy",
     "StrategyExtended",
+    "owner_of",
 ]

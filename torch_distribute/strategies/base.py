@@ -230,6 +230,7 @@ class Strategy:
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
         capture.install()
+        capture.register_strategy(self)
 
     @property
     def extended(self) -> StrategyExtended:
@@ -257,11 +258,16 @@ class Strategy:
                 "objects belong to exactly one strategy."
             )
         # Re-entering our own scope inside a replica function keeps the replica context.
-        context.push_frame(self, top.replica_context if top is not None and top.strategy is self else None)
+        replica_context = top.replica_context if top is not None and top.strategy is self else None
+        context.push_frame(self, replica_context)
         try:
             yield self
         finally:
             context.pop_frame()
+        if replica_context is None and not any(f.strategy is self for f in context.current_frames()):
+            # Leaving the scope: what was created in it now gets its replica copies and, with
+            # several workers, the chief's values (as TF does when a variable is created).
+            self._extended._state.sync_stale()
 
     # -- running ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +24,32 @@ from torch_distribute.errors import UnmirroredStateError
 
 _installed = False
 _install_lock = threading.Lock()
+_strategies: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_strategy(strategy: Any) -> None:
+    _strategies.add(strategy)
+
+
+def owner_of(obj: Any) -> Any | None:
+    """The (non-default) strategy an object made in a scope belongs to, if any.
+
+    Optimizers and metrics know theirs; a module or tensor belongs to the strategy whose
+    scope registered its parameters.
+    """
+    owner = getattr(obj, "_td_strategy", None) or getattr(obj, "_strategy", None)
+    if owner is not None and not getattr(owner, "_is_default", True):
+        return owner
+    tensors: list[Any] = []
+    if isinstance(obj, torch.nn.Module):
+        tensors = [*obj.parameters(), *obj.buffers()][:1]
+    elif isinstance(obj, torch.Tensor):
+        tensors = [obj]
+    for tensor in tensors:
+        for strategy in list(_strategies):
+            if not strategy._is_default and strategy.extended._state.lookup(tensor) is not None:
+                return strategy
+    return None
 
 
 def _scope_strategy() -> Any | None:

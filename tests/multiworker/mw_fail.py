@@ -1,0 +1,76 @@
+"""One worker of a failure test; prints one ``MWRESULT {json}`` line, then exits at once.
+
+    python mw_fail.py --timeout S [--fail-rank R --mode exit|stop --at K]
+
+Trains a tiny model step after step. At step ``K`` worker ``R`` either raises
+``SystemExit(3)`` (``exit``) or stops itself with SIGSTOP (``stop``: alive but silent). The
+others must raise ``WorkerUnavailableError``; they report its message and how long they were
+blocked. A worker alone (the others never started) reports the start-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mw_helpers as H  # noqa: E402
+
+import torch_distribute as td  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--timeout", type=float, required=True)
+parser.add_argument("--fail-rank", type=int, default=None)
+parser.add_argument("--mode", choices=["exit", "stop"], default=None)
+parser.add_argument("--at", type=int, default=3)
+parser.add_argument("--steps", type=int, default=200)
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "phase": "start-up", "step": None}
+started = time.monotonic()
+try:
+    strategy = td.MultiWorkerMirroredStrategy(
+        devices=["cpu:0"], communication_options=td.CommunicationOptions(timeout_seconds=args.timeout))
+    rank = strategy.cluster_resolver.worker_index
+    result["rank"] = rank
+    torch.manual_seed(H.worker_seed(rank))
+    with strategy.scope():
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    result["phase"] = "training"
+    for k in range(args.steps):
+        result["step"] = k
+        if k == args.at and rank == args.fail_rank:
+            print(f"worker {rank} failing at step {k}", flush=True)
+            if args.mode == "exit":
+                raise SystemExit(3)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        started = time.monotonic()
+        strategy.run(step, args=(torch.randn(2, 4),))
+    result["phase"] = "finished"
+    code = 0
+except td.WorkerUnavailableError as error:
+    result.update(error="WorkerUnavailableError", message=str(error))
+    code = 17
+except SystemExit:
+    raise
+except BaseException as error:  # noqa: BLE001 - any other outcome is reported as wrong
+    result.update(error=type(error).__name__, message=str(error))
+    code = 18
+result["blocked_s"] = time.monotonic() - started
+H.emit(result)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)  # no interpreter teardown against a dead or silent peer
