@@ -12,6 +12,10 @@ after the SUM it says whether *any* worker had one, so a parameter no worker use
 ``grad=None`` (as on one device) instead of getting zeros that would move Adam's moments.
 If backward runs again before the step (gradient accumulation), the launched sums are stale:
 the step waits for them and reduces everything again from the accumulated gradients.
+
+After the step each ``.grad`` is a view of its bucket (as DDP's ``gradient_as_bucket_view``):
+the sum is not copied back. A gradient still aliasing its bucket at the next launch gets its
+own memory first, so a backward can never write into a bucket that is being all-reduced.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torch_distribute.collectives.worker_group import WorkerGroup
-from torch_distribute.strategies.replicated_state import MirroredTensor
+from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
 
 
 class _Bucket:
@@ -39,7 +43,10 @@ class _Bucket:
 class GradientSynchronizer:
     """Sums one optimizer's gradients over local replicas and workers."""
 
-    def __init__(self, records: list[MirroredTensor], group: WorkerGroup, num_local: int, bucket_bytes: int):
+    def __init__(self, state: ReplicatedState, records: list[MirroredTensor], group: WorkerGroup,
+                 num_local: int, bucket_bytes: int):
+        self._state = state
+        self._hooked_generation = -1
         self._group = group
         self._num_local = num_local
         self._lock = threading.Lock()
@@ -59,6 +66,9 @@ class GradientSynchronizer:
     # -- hooks -----------------------------------------------------------------------------
     def attach_hooks(self) -> None:
         """(Re-)register hooks on the current copies of every parameter (cheap when done)."""
+        if self._hooked_generation == self._state.copies_generation:
+            return
+        self._hooked_generation = self._state.copies_generation
         for b, bucket in enumerate(self._buckets):
             for slot, record in enumerate(bucket.records):
                 copies = tuple(id(c) for c in record.copies or ())
@@ -87,17 +97,24 @@ class GradientSynchronizer:
 
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
+        flags = []
         with torch.no_grad():
             for slot, record in enumerate(bucket.records):
                 view = bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot])
                 grads = [c.grad for c in record.copies if c.grad is not None]
+                if grads and _aliases(grads[0], view):
+                    # Still the view of the last sum (zero_grad(set_to_none=False) or no
+                    # zero_grad): give it its own memory, so a backward that runs while this
+                    # bucket is in flight cannot write into it.
+                    record.copies[0].grad = grads[0] = grads[0].clone()
                 if grads:
                     view.copy_(grads[0].reshape(-1))
                     for grad in grads[1:]:
                         view.add_(grad.reshape(-1).to(view.device, non_blocking=True))
                 else:
                     view.zero_()
-                bucket.flat[bucket.flag_offset + slot] = 1.0 if grads else 0.0
+                flags.append(1.0 if grads else 0.0)
+            bucket.flat[bucket.flag_offset:].copy_(torch.tensor(flags, dtype=bucket.flat.dtype))
         self._works.append(dist.all_reduce(bucket.flat, group=self._group.gradient_group, async_op=True))
 
     # -- the optimizer step ------------------------------------------------------------------
@@ -119,14 +136,11 @@ class GradientSynchronizer:
                 flags = bucket.flat[bucket.flag_offset:].tolist()
                 for slot, record in enumerate(bucket.records):
                     primary = record.primary
-                    if flags[slot] == 0:
-                        primary.grad = None
-                        continue
-                    total = bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view_as(primary)
-                    if primary.grad is not None and primary.grad.shape == primary.shape:
-                        primary.grad.copy_(total)
-                    else:
-                        primary.grad = total.clone()
+                    # The sum becomes the gradient in place: a view of the bucket, no copy.
+                    primary.grad = (
+                        bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view_as(primary)
+                        if flags[slot] else None
+                    )
                     for replica_copy in record.copies[1:]:
                         replica_copy.grad = None
         with self._lock:
@@ -136,6 +150,10 @@ class GradientSynchronizer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _aliases(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    return tensor.data_ptr() == view.data_ptr() and tensor.numel() == view.numel()
 
 
 def _make_buckets(records: list[MirroredTensor], bucket_bytes: int) -> list[_Bucket]:

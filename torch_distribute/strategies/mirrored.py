@@ -116,7 +116,8 @@ class MirroredExtended(StrategyExtended):
         self._sum_gradients(optimizer, records)
         result = original_step(optimizer)
         self._after_step(records)
-        self._state.broadcast([r for r in records if r.is_stale()])
+        if self.num_local_replicas > 1:
+            self._state.broadcast([r for r in records if r.is_stale()])
         return result
 
     def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:

@@ -133,7 +133,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         synchronizer = self._synchronizers.get(id(optimizer))
         if synchronizer is None:
             synchronizer = GradientSynchronizer(
-                records, self._group, len(self.worker_devices), self._options.bucket_bytes
+                self._state, records, self._group, len(self.worker_devices), self._options.bucket_bytes
             )
             self._synchronizers[id(optimizer)] = synchronizer
             synchronizer.attach_hooks()

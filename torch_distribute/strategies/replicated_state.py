@@ -72,6 +72,7 @@ class ReplicatedState:
         self._records: dict[int, MirroredTensor] = {}
         self._fresh: list[MirroredTensor] = []
         self._buffers: list[MirroredTensor] = []
+        self.copies_generation = 0  # bumped whenever a record gets new copy tensors
         # Set by multi-worker strategies: make tensors equal across worker processes.
         self.worker_broadcast: Callable[[list[torch.Tensor]], None] | None = None
         self.worker_mean: Callable[[list[torch.Tensor]], None] | None = None
@@ -133,6 +134,7 @@ class ReplicatedState:
                     record.copies = [primary] + [
                         _detached_copy(primary, device) for device in self.devices[1:]
                     ]
+                    self.copies_generation += 1
                 else:
                     record.copies[0] = primary
                     for c in record.copies[1:]:
