@@ -7,9 +7,9 @@ import argparse
 import json
 
 import torch
+from accumulate_reference import batches, build, micro_loss
 
 import torch_distribute as td
-from accumulate_reference import batches, build, micro_loss
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--zero-grad", choices=["none", "zeros"], required=True)
@@ -19,15 +19,17 @@ torch.set_num_threads(1)
 strategy = td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=30))
 with strategy.scope():
     model, optimizer = build()
+
+
+def accumulate(x, y, global_batch_size):
+    micro_loss(model, x, y, global_batch_size=global_batch_size).backward()
+
+
 for step_batches in batches():
-    micro = [strategy.experimental_distribute_dataset([b]) for b in step_batches]
-
-    def accumulate(x, y):
-        micro_loss(model, x, y, global_batch_size=sum(b[0].shape[0] for b in step_batches)).backward()
-
-    for dataset in micro:
-        for x, y in dataset:
-            strategy.run(accumulate, args=(x, y))
+    total = sum(b[0].shape[0] for b in step_batches)
+    for batch in step_batches:
+        for x, y in strategy.experimental_distribute_dataset([batch]):
+            strategy.run(accumulate, args=(x, y, total))
 
     def apply():
         optimizer.step()
