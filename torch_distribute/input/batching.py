@@ -49,7 +49,7 @@ def to_tensors(batch: Any) -> Any:
 
 def batch_dim(batch: Any) -> int:
     """The size of the first dimension shared by every tensor of ``batch``."""
-    leaves, _ = nest.flatten(batch)
+    leaves = nest.leaves(batch)
     if not leaves:
         raise DatasetError("A dataset element is empty (no tensors in it).")
     sizes = set()
