@@ -78,6 +78,7 @@ from common import (  # noqa: E402
     measure_interleaved,
     median_ratio,
     relative_l2_diff,
+    strategy_trainer,
 )
 
 GLOBAL_BATCH = 128
@@ -146,33 +147,7 @@ class MultiWorker(_Worker):
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:
-        import torch_distribute as td
-
-        strategy = self.strategy
-        with strategy.scope():
-            model = make_model(dtype=dtype)
-            optimizer = make_optimizer(model)
-        batches = Cycle(strategy.experimental_distribute_dataset(global_batches(GLOBAL_BATCH, dtype=dtype)))
-        total = torch.zeros((), dtype=dtype)
-
-        def train_step(batch):
-            images, labels = batch
-            logits = model(images)
-            loss = td.compute_average_loss(
-                F.cross_entropy(logits, labels, reduction="none"), global_batch_size=GLOBAL_BATCH
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                per_replica = strategy.run(train_step, args=(next(batches),))
-                total += strategy.reduce("sum", per_replica, axis=None)
-
-        return Trainer(run_steps, model)
+        return strategy_trainer(self.strategy, dtype, GLOBAL_BATCH)
 
     def make_allreduce(self, width: int) -> Any:
         strategy = self.strategy

@@ -41,6 +41,7 @@ from common import (  # noqa: E402
     max_abs_diff,
     measure_interleaved,
     median_ratio,
+    strategy_trainer,
 )
 
 GLOBAL_BATCH = 64
@@ -71,32 +72,7 @@ class OneDevice(Variant):
     def build(self, dtype: torch.dtype) -> Trainer:
         import torch_distribute as td
 
-        strategy = td.OneDeviceStrategy("cpu")
-        with strategy.scope():
-            model = make_model(dtype=dtype)
-            optimizer = make_optimizer(model)
-        batches = Cycle(strategy.experimental_distribute_dataset(global_batches(GLOBAL_BATCH, dtype=dtype)))
-        total = torch.zeros((), dtype=dtype)
-
-        def train_step(batch):
-            images, labels = batch
-            logits = model(images)
-            loss = td.compute_average_loss(
-                F.cross_entropy(logits, labels, reduction="none"), global_batch_size=GLOBAL_BATCH
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                batch = next(batches)
-                per_replica = strategy.run(train_step, args=(batch,))
-                total += strategy.reduce("sum", per_replica, axis=None)
-
-        return Trainer(run_steps, model)
+        return strategy_trainer(td.OneDeviceStrategy("cpu"), dtype, GLOBAL_BATCH)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -146,6 +146,44 @@ class Trainer:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()}
 
 
+def strategy_trainer(strategy: Any, dtype: torch.dtype, global_batch: int) -> Trainer:
+    """The tutorial's step under ``strategy``: what every strategy variant times.
+
+    Model and optimizer made in ``strategy.scope()``, global batches through
+    ``experimental_distribute_dataset``, ``strategy.run`` and a SUM ``reduce`` of the loss
+    every step (the global loss a training loop logs). ``torch_distribute`` is imported here so
+    that baseline processes never load it.
+    """
+    import torch.nn.functional as F
+
+    import torch_distribute as td
+
+    with strategy.scope():
+        model = make_model(dtype=dtype)
+        optimizer = make_optimizer(model)
+    batches = Cycle(strategy.experimental_distribute_dataset(global_batches(global_batch, dtype=dtype)))
+    total = torch.zeros((), dtype=dtype)
+
+    def train_step(batch):
+        images, labels = batch
+        logits = model(images)
+        loss = td.compute_average_loss(
+            F.cross_entropy(logits, labels, reduction="none"), global_batch_size=global_batch
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def run_steps(n: int) -> None:
+        nonlocal total
+        for _ in range(n):
+            per_replica = strategy.run(train_step, args=(next(batches),))
+            total += strategy.reduce("sum", per_replica, axis=None)
+
+    return Trainer(run_steps, model)
+
+
 class Variant:
     """What a worker process runs: ``build(dtype)`` makes a fresh ``Trainer``.
 
