@@ -66,13 +66,7 @@ def select_replica(replica_id: int, structure: Any) -> Any:
             return leaf.values[replica_id]
         return leaf
 
-    return nest.map_structure(pick, _expand(structure))
-
-
-def _expand(structure: Any) -> Any:
-    # DistributedValues are leaves for pytree; nothing to expand, but keep a hook so a
-    # PerReplica of nests could be supported later without touching callers.
-    return structure
+    return nest.map_structure(pick, structure)
 
 
 def regroup(per_replica_results: Sequence[Any], always_wrap: bool = False) -> Any:
