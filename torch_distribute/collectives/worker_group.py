@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -69,8 +70,10 @@ class WorkerGroup:
     def _rendezvous(self) -> dist.TCPStore:
         """Meet at the chief's TCPStore; name the workers that did not turn up in time."""
         timeout = self.options.timeout
+        # Under torchrun the elastic agent already serves the store at MASTER_PORT.
+        hosts_store = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
-            if self.rank == 0:
+            if hosts_store:
                 store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
                                       timeout=self._timeout, wait_for_workers=False)
             else:
