@@ -71,6 +71,8 @@ def batch_dim(batch: Any) -> int:
 
 def split_batch(batch: Any, sizes: list[int]) -> list[Any]:
     """Cut every tensor of ``batch`` along dim 0 into pieces of ``sizes`` (zeros allowed)."""
+    if len(sizes) == 1:  # one replica: the batch itself, no views to make
+        return [batch]
     leaves, spec = nest.flatten(batch)
     pieces = [torch.split(leaf, sizes, dim=0) for leaf in leaves]
     return [nest.unflatten([p[k] for p in pieces], spec) for k in range(len(sizes))]

@@ -37,8 +37,7 @@ from torch_distribute.values import regroup
 
 
 def _refuse_in_replica_context() -> None:
-    frames = context.current_frames()
-    if frames and frames[-1].replica_context is not None and not frames[-1].strategy._is_default:
+    if context.has_strategy() and not context.in_cross_replica_context():
         raise ContextError(
             "next(iterator) was called inside a replica function. Iterate the distributed "
             "dataset outside strategy.run() and pass the batch in: strategy.run(step, args=(batch,))."
@@ -173,8 +172,6 @@ class DistributedDataset(_DistributedIterable):
                 local, sizes = empty_like_batch(template[0]), [0] * self.num_local_replicas
             if not template:
                 template.append(empty_like_batch(local))
-            if len(sizes) == 1:
-                return self._place([local])
             return self._place(split_batch(local, sizes))
 
         return DistributedIterator(next_step, "experimental_distribute_dataset")
@@ -186,12 +183,13 @@ class DistributedDataset(_DistributedIterable):
         OFF / FILE: the batch is already this worker's share; it is split over the replicas.
         """
         replicas = self.num_local_replicas
+        rows = batch_dim(batch)
         if self._policy is not AutoShardPolicy.DATA:
-            return batch, batch_sizes_for_worker(batch_dim(batch), 1, replicas, 0)
-        sizes = batch_sizes_for_worker(batch_dim(batch), self._num_workers, replicas, 0)
+            return batch, batch_sizes_for_worker(rows, 1, replicas, 0)
+        sizes = batch_sizes_for_worker(rows, self._num_workers, replicas, 0)
         start = sum(sizes[: self._worker_index * replicas])
         mine = sizes[self._worker_index * replicas:(self._worker_index + 1) * replicas]
-        rest = batch_dim(batch) - start - sum(mine)
+        rest = rows - start - sum(mine)
         return split_batch(batch, [start, sum(mine), rest])[1], mine
 
 

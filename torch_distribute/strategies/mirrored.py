@@ -138,7 +138,7 @@ class MirroredExtended(StrategyExtended):
         summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
         for record, grad in zip(with_grad, summed, strict=True):
             primary = record.primary
-            if primary.grad is not None and primary.grad.shape == primary.shape:
+            if primary.grad is not None:
                 primary.grad.copy_(grad)
             else:
                 primary.grad = grad.clone()

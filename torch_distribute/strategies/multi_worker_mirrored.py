@@ -10,6 +10,7 @@ backward runs (local replicas summed first, then one all-reduce per bucket), and
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
-from torch_distribute.values import select_replica
+from torch_distribute.strategies.single_replica import call_on_this_thread
 
 
 class MultiWorkerMirroredExtended(MirroredExtended):
@@ -42,7 +43,9 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         self._worker_index = resolver.worker_index
         self._is_chief = resolver.is_chief
         self._group: WorkerGroup | None = None
-        self._synchronizers: dict[int, GradientSynchronizer] = {}
+        self._synchronizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, GradientSynchronizer] = (
+            weakref.WeakKeyDictionary()
+        )
         if self._num_workers > 1:
             host, port = resolver.rendezvous_address()
             self._group = WorkerGroup(
@@ -77,11 +80,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         else:
             # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
             self._state.sync_stale()
-            context.push_frame(self._strategy, self._single_replica_context)
-            try:
-                result = fn(*select_replica(0, args), **select_replica(0, kwargs))
-            finally:
-                context.pop_frame()
+            result = call_on_this_thread(self._single_replica_context, self._primary_device, fn, args, kwargs)
             self._state.aggregate_buffers()
         for synchronizer in self._synchronizers.values():
             synchronizer.attach_hooks()
@@ -105,23 +104,22 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
 
     def _broadcast_from_chief(self, tensors: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for dtype_group in _by_dtype_and_device(tensors):
-                flat = torch.cat([t.detach().reshape(-1) for t in dtype_group])
-                self._group.broadcast_(flat, src=0, what="initial broadcast from the chief")
-                offset = 0
-                for t in dtype_group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        self._over_workers_in_place(
+            tensors, lambda flat: self._group.broadcast_(flat, src=0, what="initial broadcast from the chief"))
 
     def _mean_over_workers(self, tensors: list[torch.Tensor]) -> None:
+        self._over_workers_in_place(
+            tensors, lambda flat: self._group.all_reduce_(flat, what="buffer average").div_(self._num_workers))
+
+    def _over_workers_in_place(self, tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
+        """Pack ``tensors`` (one flat buffer per dtype and device), run ``collective`` on each
+        buffer in place, and write the results back into the tensors."""
         with torch.no_grad():
-            for dtype_group in _by_dtype_and_device(tensors):
-                flat = torch.cat([t.detach().reshape(-1) for t in dtype_group])
-                self._group.all_reduce_(flat, what="buffer average")
-                flat /= self._num_workers
+            for group in _by_dtype_and_device(tensors):
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                collective(flat)
                 offset = 0
-                for t in dtype_group:
+                for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
 
@@ -130,12 +128,12 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         if self._group is None:
             super()._sum_gradients(optimizer, records)
             return
-        synchronizer = self._synchronizers.get(id(optimizer))
+        synchronizer = self._synchronizers.get(optimizer)
         if synchronizer is None:
             synchronizer = GradientSynchronizer(
                 self._state, records, self._group, len(self.worker_devices), self._options.bucket_bytes
             )
-            self._synchronizers[id(optimizer)] = synchronizer
+            self._synchronizers[optimizer] = synchronizer
             synchronizer.attach_hooks()
         synchronizer.finish()
 

@@ -25,17 +25,23 @@ class SingleReplicaExtended(StrategyExtended):
         self._replica_context = context.ReplicaContext(strategy, 0)
 
     def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        device = self._torch_devices[0]
-        device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        context.push_frame(self._strategy, self._replica_context)
-        try:
-            with device_guard:
-                return fn(*select_replica(0, args), **select_replica(0, kwargs))
-        finally:
-            context.pop_frame()
+        return call_on_this_thread(self._replica_context, self._torch_devices[0], fn, args, kwargs)
 
     def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: Any = None) -> torch.Tensor | None:
         return super()._capture_parameter(tensor, is_buffer, norm_layer) if self._place_state else None
+
+
+def call_on_this_thread(
+    replica_context: context.ReplicaContext, device: torch.device, fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
+    """Run a process's only replica directly in the calling thread, on its device."""
+    device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    context.push_frame(replica_context.strategy, replica_context)
+    try:
+        with device_guard:
+            return fn(*select_replica(0, args), **select_replica(0, kwargs))
+    finally:
+        context.pop_frame()
 
 
 class OneDeviceStrategy(Strategy):
