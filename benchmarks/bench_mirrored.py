@@ -31,22 +31,19 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Cycle,
     Trainer,
     Variant,
     VariantProcess,
+    ddp_trainer,
     emit,
     free_port,
-    global_batches,
+    handwritten_trainer,
     load_average,
     machine_line,
-    make_model,
-    make_optimizer,
     max_abs_diff,
     measure_interleaved,
     median_ratio,
@@ -66,23 +63,7 @@ F64_TOLERANCE = 1e-9
 
 class HandWritten(Variant):
     def build(self, dtype: torch.dtype) -> Trainer:
-        model = make_model(dtype=dtype)
-        optimizer = make_optimizer(model)
-        batches = Cycle(global_batches(GLOBAL_BATCH, dtype=dtype))
-        total = torch.zeros((), dtype=dtype)
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                images, labels = next(batches)
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels, reduction="none").sum() / GLOBAL_BATCH
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                total += loss.detach()
-
-        return Trainer(run_steps, model)
+        return handwritten_trainer(dtype, GLOBAL_BATCH)
 
 
 class Mirrored(Variant):
@@ -129,28 +110,7 @@ class DDP(Variant):
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:
-        from torch.nn.parallel import DistributedDataParallel
-
-        core = make_model(dtype=dtype)
-        model = DistributedDataParallel(core)
-        optimizer = make_optimizer(model)
-        local = GLOBAL_BATCH // self.world_size
-        lo, hi = self.rank * local, (self.rank + 1) * local
-        batches = Cycle([(x[lo:hi], y[lo:hi]) for x, y in global_batches(GLOBAL_BATCH, dtype=dtype)])
-        total = torch.zeros((), dtype=dtype)
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                images, labels = next(batches)
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)  # DDP averages the ranks' gradients
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                total += loss.detach()
-
-        return Trainer(run_steps, core)
+        return ddp_trainer(self.rank, self.world_size, dtype, GLOBAL_BATCH, log_global_loss=False)
 
     def close(self) -> None:
         self.dist.destroy_process_group()

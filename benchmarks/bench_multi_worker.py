@@ -57,23 +57,19 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Cycle,
     Trainer,
     Variant,
     VariantProcess,
+    ddp_trainer,
     emit,
     free_port,
-    global_batches,
     load_average,
     machine_line,
-    make_model,
-    make_optimizer,
     max_abs_diff,
     measure_interleaved,
     median_ratio,
@@ -126,10 +122,6 @@ class _Worker(Variant):
     def make_allreduce(self, width: int) -> Any:
         raise NotImplementedError
 
-    def local_batches(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        local = GLOBAL_BATCH // self.world_size
-        lo, hi = self.rank * local, (self.rank + 1) * local
-        return [(x[lo:hi], y[lo:hi]) for x, y in global_batches(GLOBAL_BATCH, dtype=dtype)]
 
 
 class MultiWorker(_Worker):
@@ -189,29 +181,7 @@ class DDP(_Worker):
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:
-        from torch.nn.parallel import DistributedDataParallel
-
-        dist = self.dist
-        core = make_model(dtype=dtype)
-        model = DistributedDataParallel(core)
-        optimizer = make_optimizer(model)
-        batches = Cycle(self.local_batches(dtype))
-        total = torch.zeros((), dtype=dtype)
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                images, labels = next(batches)
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)  # DDP averages the ranks' gradients
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                logged = loss.detach().clone()
-                dist.all_reduce(logged)
-                total += logged / self.world_size
-
-        return Trainer(run_steps, core)
+        return ddp_trainer(self.rank, self.world_size, dtype, GLOBAL_BATCH, log_global_loss=True)
 
     def make_allreduce(self, width: int) -> Any:
         dist = self.dist

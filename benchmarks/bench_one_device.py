@@ -24,20 +24,16 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
-    Cycle,
     Trainer,
     Variant,
     VariantProcess,
     emit,
-    global_batches,
+    handwritten_trainer,
     machine_line,
-    make_model,
-    make_optimizer,
     max_abs_diff,
     measure_interleaved,
     median_ratio,
@@ -49,23 +45,7 @@ GLOBAL_BATCH = 64
 
 class HandWritten(Variant):
     def build(self, dtype: torch.dtype) -> Trainer:
-        model = make_model(dtype=dtype)
-        optimizer = make_optimizer(model)
-        batches = Cycle(global_batches(GLOBAL_BATCH, dtype=dtype))
-        total = torch.zeros((), dtype=dtype)
-
-        def run_steps(n: int) -> None:
-            nonlocal total
-            for _ in range(n):
-                images, labels = next(batches)
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels, reduction="none").sum() / GLOBAL_BATCH
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                total += loss.detach()
-
-        return Trainer(run_steps, model)
+        return handwritten_trainer(dtype, GLOBAL_BATCH)
 
 
 class OneDevice(Variant):

@@ -146,6 +146,68 @@ class Trainer:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.named_parameters()}
 
 
+def handwritten_trainer(dtype: torch.dtype, global_batch: int) -> Trainer:
+    """The tutorial's step written by hand in plain PyTorch on one process: the baseline."""
+    import torch.nn.functional as F
+
+    model = make_model(dtype=dtype)
+    optimizer = make_optimizer(model)
+    batches = Cycle(global_batches(global_batch, dtype=dtype))
+    total = torch.zeros((), dtype=dtype)
+
+    def run_steps(n: int) -> None:
+        nonlocal total
+        for _ in range(n):
+            images, labels = next(batches)
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels, reduction="none").sum() / global_batch
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            total += loss.detach()
+
+    return Trainer(run_steps, model)
+
+
+def ddp_trainer(
+    rank: int, world_size: int, dtype: torch.dtype, global_batch: int, log_global_loss: bool
+) -> Trainer:
+    """Raw ``DistributedDataParallel``: rank ``r`` trains on its rows of every global batch.
+
+    ``log_global_loss``: all-reduce the loss every step, as a loop that logs the global loss
+    does (the strategy variants do it with ``strategy.reduce``).
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    core = make_model(dtype=dtype)
+    model = DistributedDataParallel(core)
+    optimizer = make_optimizer(model)
+    local = global_batch // world_size
+    lo, hi = rank * local, (rank + 1) * local
+    batches = Cycle([(x[lo:hi], y[lo:hi]) for x, y in global_batches(global_batch, dtype=dtype)])
+    total = torch.zeros((), dtype=dtype)
+
+    def run_steps(n: int) -> None:
+        nonlocal total
+        for _ in range(n):
+            images, labels = next(batches)
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)  # DDP averages the ranks' gradients
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            logged = loss.detach()
+            if log_global_loss:
+                logged = logged.clone()
+                dist.all_reduce(logged)
+                logged /= world_size
+            total += logged
+
+    return Trainer(run_steps, core)
+
+
 def strategy_trainer(strategy: Any, dtype: torch.dtype, global_batch: int) -> Trainer:
     """The tutorial's step under ``strategy``: what every strategy variant times.
 
