@@ -2,11 +2,13 @@
 
 from torch_distribute.strategies.base import Strategy, StrategyExtended
 from torch_distribute.strategies.capture import owner_of
+from torch_distribute.strategies.central_storage import CentralStorageStrategy
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
 from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from torch_distribute.strategies.single_replica import OneDeviceStrategy
 
 __all__ = [
+    "CentralStorageStrategy",
     "MirroredReplicaContext",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

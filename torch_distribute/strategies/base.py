@@ -39,6 +39,7 @@ class StrategyExtended:
         strategy: Strategy,
         devices: tuple[LogicalDevice, ...],
         cross_device_ops: CrossDeviceOps | None = None,
+        parameter_device: LogicalDevice | None = None,
     ):
         self._strategy = strategy
         self.worker_devices: tuple[LogicalDevice, ...] = devices
@@ -47,7 +48,14 @@ class StrategyExtended:
             cross_device_ops = select_cross_device_ops(devices)
         cross_device_ops.validate(devices)
         self._cross_device_ops = cross_device_ops
-        self._state = ReplicatedState(self._torch_devices, cross_device_ops)
+        # A separate parameter device holds the one central copy (CentralStorageStrategy);
+        # otherwise replica 0's device holds the user's tensors.
+        self._parameter_device = parameter_device
+        self._state = ReplicatedState(
+            self._torch_devices,
+            cross_device_ops,
+            parameter_device.torch_device if parameter_device is not None else None,
+        )
         self._num_workers = 1
         self._worker_index = 0
         self._replica_id_offset = 0
@@ -63,6 +71,8 @@ class StrategyExtended:
 
     @property
     def parameter_devices(self) -> tuple[LogicalDevice, ...]:
+        if self._parameter_device is not None:
+            return (self._parameter_device,)
         return self.worker_devices
 
     @property
@@ -83,7 +93,7 @@ class StrategyExtended:
 
     @property
     def _primary_device(self) -> torch.device:
-        return self._torch_devices[0]
+        return self._state.primary_device
 
     # -- reductions (cross-replica) ----------------------------------------------------
     def _components(self, value: Any) -> list[torch.Tensor]:
@@ -179,13 +189,19 @@ class StrategyExtended:
         ``PerReplica``/``Mirrored`` arguments are split so each copy gets its own component.
         """
         kwargs = kwargs or {}
+        record = self._state.lookup(var)
+        if record is not None and not self._state.replica0_is_primary:
+            # Central storage: update the one central value; replicas read it afresh.
+            with torch.no_grad():
+                result = fn(var, *select_replica(0, args), **select_replica(0, kwargs))
+            self._state.broadcast([record])
+            return result if group else [result]
         copies = self._state.local_copies(var) or (var,)
         with torch.no_grad():
             results = [
                 fn(replica_copy, *select_replica(k, args), **select_replica(k, kwargs))
                 for k, replica_copy in enumerate(copies)
             ]
-        record = self._state.lookup(var)
         if record is not None:
             record.mark_synced()
         if group:

@@ -18,11 +18,11 @@ import torch
 
 from torch_distribute import context
 from torch_distribute.collectives import CrossDeviceOps
-from torch_distribute.devices import DeviceLike, canonicalize_all, local_devices
+from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all, local_devices
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies.base import Strategy, StrategyExtended
-from torch_distribute.strategies.replica_threads import ReplicaThreads
+from torch_distribute.strategies.replica_threads import ReplicaThreads, outside_replica_mode
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode
 from torch_distribute.strategies.single_replica import SingleReplicaExtended
 
@@ -39,8 +39,14 @@ class MirroredReplicaContext(context.ReplicaContext):
 
 
 class MirroredExtended(StrategyExtended):
-    def __init__(self, strategy: Strategy, devices: tuple, cross_device_ops: CrossDeviceOps | None):
-        super().__init__(strategy, devices, cross_device_ops)
+    def __init__(
+        self,
+        strategy: Strategy,
+        devices: tuple,
+        cross_device_ops: CrossDeviceOps | None,
+        parameter_device: LogicalDevice | None = None,
+    ):
+        super().__init__(strategy, devices, cross_device_ops, parameter_device)
         self._threads: ReplicaThreads | None = None
 
     def _replica_threads(self) -> ReplicaThreads:
@@ -66,7 +72,7 @@ class MirroredExtended(StrategyExtended):
 
     # -- optimizers ------------------------------------------------------------------------
     def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.num_replicas_in_sync == 1:
+        if self.num_replicas_in_sync == 1 and self._state.replica0_is_primary:
             return
         original_step = type(optimizer).step
         original_zero_grad = type(optimizer).zero_grad
@@ -90,7 +96,8 @@ class MirroredExtended(StrategyExtended):
                 extended._zero_replica_grads(self, replica.local_replica_id, set_to_none)
             else:
                 original_zero_grad(self, set_to_none)
-                for k in range(1, extended.num_local_replicas):
+                first_copy = 1 if extended._state.replica0_is_primary else 0
+                for k in range(first_copy, extended.num_local_replicas):
                     extended._zero_replica_grads(self, k, set_to_none)
 
         optimizer.step = types.MethodType(step, optimizer)
@@ -116,7 +123,7 @@ class MirroredExtended(StrategyExtended):
         self._sum_gradients(optimizer, records)
         result = original_step(optimizer)
         self._after_step(records)
-        if self.num_local_replicas > 1:
+        if self.num_local_replicas > 1 or not self._state.replica0_is_primary:
             self._state.broadcast([r for r in records if r.is_stale()])
         return result
 
@@ -127,7 +134,7 @@ class MirroredExtended(StrategyExtended):
         ]
         if not with_grad:
             return
-        if len(set(self._torch_devices)) == 1:
+        if set(self._torch_devices) == {self._primary_device}:
             self._sum_in_place(with_grad)
             return
         per_replica = [
@@ -136,16 +143,20 @@ class MirroredExtended(StrategyExtended):
             for k in range(self.num_local_replicas)
         ]
         summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
+        replica0_is_primary = self._state.replica0_is_primary
         for record, grad in zip(with_grad, summed, strict=True):
             primary = record.primary
-            if primary.grad is not None:
-                primary.grad.copy_(grad)
-            else:
+            if primary.grad is None:
                 primary.grad = grad.clone()
-            # Replicas > 0 drop their part: it is in copy 0's gradient now, so gradients
+            elif replica0_is_primary:  # the sum already holds copy 0's own gradient
+                primary.grad.copy_(grad)
+            else:  # central storage: add to what earlier steps accumulated there
+                primary.grad.add_(grad)
+            # The replicas drop their part: it is in the primary's gradient now, so gradients
             # accumulated over several steps without zero_grad are still summed once.
-            for replica_copy in record.copies[1:]:
-                replica_copy.grad = None
+            for replica_copy in record.copies:
+                if replica_copy is not primary:
+                    replica_copy.grad = None
 
     def _sum_in_place(self, records: list[Any]) -> None:
         """Replicas on one device (CPU replicas): add every replica's gradient into copy 0's.
@@ -153,12 +164,13 @@ class MirroredExtended(StrategyExtended):
         Same order of additions as the packed reduction (replica 0, 1, 2, ...), without
         packing and unpacking: one fused ``_foreach_add_`` per replica.
         """
+        first_copy = 1 if self._state.replica0_is_primary else 0
         with torch.no_grad():
             for record in records:
                 if record.primary.grad is None:
                     record.primary.grad = torch.zeros_like(record.primary)
             targets = [r.primary.grad for r in records]
-            for k in range(1, self.num_local_replicas):
+            for k in range(first_copy, self.num_local_replicas):
                 pairs = [(t, r.copies[k].grad) for t, r in zip(targets, records, strict=True)
                          if r.copies[k].grad is not None]
                 if pairs:
@@ -173,20 +185,28 @@ class MirroredExtended(StrategyExtended):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 record = self._state.lookup(param)
-                if record is None or record.copies is None:
-                    target = param if local_id == 0 else None
-                else:
-                    target = record.copies[local_id]
-                if target is None or target.grad is None:
-                    continue
-                if set_to_none:
-                    target.grad = None
-                else:  # as torch.optim.Optimizer.zero_grad does
-                    if target.grad.grad_fn is not None:
-                        target.grad.detach_()
-                    else:
-                        target.grad.requires_grad_(False)
-                    target.grad.zero_()
+                # Replica 0 clears the user's tensor (under central storage as well as its
+                # own copy, which is a different tensor there).
+                if local_id == 0:
+                    with outside_replica_mode():  # the user's tensor itself, not replica 0's copy
+                        _zero_grad_of(param, set_to_none)
+                if record is not None and record.copies is not None:
+                    replica_copy = record.copies[local_id]
+                    if replica_copy is not param:
+                        _zero_grad_of(replica_copy, set_to_none)
+
+
+def _zero_grad_of(tensor: torch.Tensor, set_to_none: bool) -> None:
+    if tensor.grad is None:
+        return
+    if set_to_none:
+        tensor.grad = None
+    else:  # as torch.optim.Optimizer.zero_grad does
+        if tensor.grad.grad_fn is not None:
+            tensor.grad.detach_()
+        else:
+            tensor.grad.requires_grad_(False)
+        tensor.grad.zero_()
 
 
 class MirroredStrategy(Strategy):

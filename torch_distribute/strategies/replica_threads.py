@@ -217,7 +217,7 @@ class ReplicaThreads:
             merged_kwargs = regroup([r[2] for r in requests])
             context.set_frames(current.frames)
             context.push_frame(current.strategy, None)
-            with _outside_replica_mode(), self._intra_op(self._full_threads):
+            with outside_replica_mode(), self._intra_op(self._full_threads):
                 result = merge_fn(current.strategy, *merged_args, **merged_kwargs)
             results = [select_replica(k, result) for k in range(self._n)]
         except BaseException as error:  # noqa: BLE001 - every replica raises it
@@ -273,7 +273,7 @@ class ReplicaThreads:
 
 
 @contextlib.contextmanager
-def _outside_replica_mode() -> Iterator[None]:
+def outside_replica_mode() -> Iterator[None]:
     """The merge works on copy 0 itself: lift this thread's replica substitution, if any."""
     mode = _get_current_function_mode()
     if isinstance(mode, ReplicaTensorMode):

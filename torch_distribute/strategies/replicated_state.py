@@ -64,11 +64,23 @@ class MirroredTensor:
 
 
 class ReplicatedState:
-    """All mirrored tensors of one strategy, keyed by the identity of copy 0."""
+    """All mirrored tensors of one strategy, keyed by the identity of the user's tensor.
 
-    def __init__(self, devices: Sequence[torch.device], cross_device_ops: CrossDeviceOps):
+    By default replica 0 computes with the user's tensor itself (``copies[0]`` is it). With a
+    separate ``primary_device`` (central storage), the user's tensor is the one central value
+    and every replica, replica 0 included, computes with a copy of it.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        cross_device_ops: CrossDeviceOps,
+        primary_device: torch.device | None = None,
+    ):
         self.devices = list(devices)
         self.cross_device_ops = cross_device_ops
+        self.replica0_is_primary = primary_device is None
+        self.primary_device = self.devices[0] if primary_device is None else primary_device
         self._records: dict[int, MirroredTensor] = {}
         self._fresh: list[MirroredTensor] = []
         self._buffers: list[MirroredTensor] = []
@@ -118,7 +130,7 @@ class ReplicatedState:
             if self.worker_broadcast is not None and fresh:
                 self.worker_broadcast([r.primary for r in fresh])
             self.broadcast(fresh)
-        if self.num_replicas == 1:
+        if self.num_replicas == 1 and self.replica0_is_primary:
             return
         stale = [r for r in self.records() if r.is_stale()]
         if stale:
@@ -128,16 +140,18 @@ class ReplicatedState:
         with torch.no_grad():
             for record in records:
                 primary = record.primary
+                first_copy = 1 if self.replica0_is_primary else 0
                 if record.copies is None or any(
-                    c.shape != primary.shape or c.dtype != primary.dtype for c in record.copies[1:]
+                    c.shape != primary.shape or c.dtype != primary.dtype
+                    for c in record.copies[first_copy:]
                 ):
-                    record.copies = [primary] + [
-                        _detached_copy(primary, device) for device in self.devices[1:]
-                    ]
+                    record.copies = [primary] if self.replica0_is_primary else []
+                    record.copies += [_detached_copy(primary, d) for d in self.devices[first_copy:]]
                     self.copies_generation += 1
                 else:
-                    record.copies[0] = primary
-                    for c in record.copies[1:]:
+                    if self.replica0_is_primary:
+                        record.copies[0] = primary
+                    for c in record.copies[first_copy:]:
                         c.copy_(primary, non_blocking=True)
                 record.mark_synced()
 
@@ -147,18 +161,22 @@ class ReplicatedState:
         Floating buffers get the mean over replicas (as TF's ON_READ MEAN), integer ones
         (step counters) keep replica 0's value; then every copy holds the result.
         """
-        if self.num_replicas == 1 and self.worker_mean is None:
+        if self.num_replicas == 1 and self.replica0_is_primary and self.worker_mean is None:
             return
         changed = [r for r in self._buffers if r.copies and r.copies_changed()]
         if not changed:
             return
         floating = [r for r in changed if r.primary.is_floating_point()]
         with torch.no_grad():
-            if floating and self.num_replicas > 1:
+            if floating and (self.num_replicas > 1 or not self.replica0_is_primary):
                 per_replica = [[r.copies[k] for r in floating] for k in range(self.num_replicas)]
-                means = self.cross_device_ops.batch_reduce("mean", per_replica, self.devices[0])
+                means = self.cross_device_ops.batch_reduce("mean", per_replica, self.primary_device)
                 for record, mean in zip(floating, means, strict=True):
                     record.primary.copy_(mean)
+            if not self.replica0_is_primary:
+                for record in changed:
+                    if not record.primary.is_floating_point():
+                        record.primary.copy_(record.copies[0])
             if floating and self.worker_mean is not None:
                 self.worker_mean([r.primary for r in floating])
         self.broadcast(changed)
@@ -181,8 +199,8 @@ class ReplicatedState:
         stale = [r for r in records if r.is_stale()]
         if stale:
             self.broadcast(stale)
-        replicas = [module]
-        for k in range(1, self.num_replicas):
+        replicas = [module] if self.replica0_is_primary else []
+        for k in range(len(replicas), self.num_replicas):
             memo: dict[int, Any] = {}
             for tensor, record in zip(tensors, records, strict=True):
                 replica_tensor = record.copies[k]

@@ -1,0 +1,80 @@
+"""``CentralStorageStrategy``: replicated compute, parameters kept once on one device.
+
+Parameters, buffers and optimizer state made in ``scope()`` live once, on the parameter
+device (the CPU, or the only GPU). Every compute device computes with its own copy of them;
+``optimizer.step()`` inside ``run`` reduces the replicas' gradients onto the parameter device,
+the user's optimizer updates the central values there, and the copies are refreshed from
+them before the replicas compute again. One process, as ``MirroredStrategy``; the same step
+function and the same results as one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch_distribute.collectives import ReductionToOneDevice
+from torch_distribute.devices import (
+    DeviceLike,
+    LogicalDevice,
+    canonicalize,
+    canonicalize_all,
+    local_devices,
+)
+from torch_distribute.errors import InvalidDeviceError
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.mirrored import MirroredExtended
+from torch_distribute.strategies.single_replica import SingleReplicaExtended
+
+
+class CentralStorageExtended(MirroredExtended):
+    """Mirrored replicas whose parameters have one central home on ``parameter_device``."""
+
+    def __init__(self, strategy: Strategy, compute_devices: tuple[LogicalDevice, ...], parameter_device: LogicalDevice):
+        # Gradients and statistics are summed where the parameters live, as in TF.
+        reduce_to_parameters = ReductionToOneDevice(reduce_to_device=parameter_device.name)
+        super().__init__(strategy, compute_devices, reduce_to_parameters, parameter_device)
+
+
+class CentralStorageStrategy(Strategy):
+    """Synchronous training on several local devices, with the parameters on one device.
+
+    ``compute_devices=None`` uses every visible GPU, else the CPU. ``parameter_device=None``
+    is the only compute device when there is one, else the CPU (as TensorFlow chooses).
+    Optimizer state lives on the parameter device too, so it suits models whose parameters
+    and optimizer state are large next to the activations. CPU compute devices
+    (``["cpu:0", "cpu:1"]``) are real replicas computing concurrently, for testing without GPUs.
+
+    >>> import torch, torch_distribute as td
+    >>> strategy = td.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    >>> strategy.extended.parameter_devices
+    (LogicalDevice(kind='cpu', index=0),)
+    >>> with strategy.scope():
+    ...     layer = torch.nn.Linear(2, 1)
+    ...     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    >>> strategy.num_replicas_in_sync
+    2
+    """
+
+    def __init__(
+        self,
+        compute_devices: Sequence[DeviceLike] | None = None,
+        parameter_device: DeviceLike | None = None,
+    ):
+        compute = canonicalize_all(compute_devices) if compute_devices is not None else local_devices()
+        if parameter_device is not None:
+            central = canonicalize(parameter_device)
+        elif len(compute) == 1:
+            central = compute[0]
+        else:
+            central = LogicalDevice("cpu", 0)
+        if central.is_cuda and compute[0].kind == "cpu":
+            raise InvalidDeviceError(
+                f"The parameter device {central.name} is a GPU but the compute devices "
+                f"({', '.join(d.name for d in compute)}) are CPUs: keep the parameters on the CPU "
+                "(parameter_device=None or 'cpu'), or compute on GPUs."
+            )
+        if compute == (central,):
+            extended: StrategyExtended = SingleReplicaExtended(self, central, place_state=True)
+        else:
+            extended = CentralStorageExtended(self, compute, central)
+        super().__init__(extended)
