@@ -1,0 +1,65 @@
+"""One worker of a GPU multi-worker test; prints one ``MWRESULT {json}`` line.
+
+    python mw_gpu.py --implementation auto|ring|nccl [--epochs E] [--bf16]
+
+Trains the shared tiny model on ``cuda:0`` under ``MultiWorkerMirroredStrategy`` (several
+workers may share the one GPU: with ``ring`` Gloo carries the CUDA tensors, with NCCL a
+worker needs a GPU of its own) and reports its parameters and the backend in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mw_helpers as H  # noqa: E402
+
+import torch_distribute as td  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--implementation", choices=["auto", "ring", "nccl"], default="auto")
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--bf16", action="store_true", help="forward under torch.autocast(bfloat16)")
+args = parser.parse_args()
+
+implementation = td.CommunicationImplementation[args.implementation.upper()]
+strategy = td.MultiWorkerMirroredStrategy(
+    devices=["cuda:0"],
+    communication_options=td.CommunicationOptions(implementation=implementation, timeout_seconds=60))
+rank = strategy.cluster_resolver.worker_index
+torch.manual_seed(H.worker_seed(rank))
+with strategy.scope():
+    model = H.make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=H.LR)
+
+
+def step(x, y, global_batch):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.bf16):
+        logits = model(x)
+    per_example = F.cross_entropy(logits.float(), y, reduction="none")
+    loss = td.compute_average_loss(per_example, global_batch_size=global_batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+x, y = H.make_data()
+loader = H.make_loader(x, y)
+losses = []
+for _ in range(args.epochs):
+    for (xb, yb), size in zip(strategy.experimental_distribute_dataset(loader), H.global_batch_sizes(), strict=True):
+        loss = strategy.reduce("sum", strategy.run(step, args=(xb, yb, size)), axis=None)
+        losses.append(loss.item())
+H.emit({
+    "rank": rank,
+    "params": H.flat(model),
+    "losses": losses,
+    "param_device": str(next(model.parameters()).device),
+    "uses_nccl": bool(getattr(getattr(strategy.extended, "_group", None), "uses_nccl", False)),
+})
