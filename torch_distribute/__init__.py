@@ -17,7 +17,7 @@
 """
 
 from torch_distribute import cluster as cluster_resolver
-from torch_distribute import metrics
+from torch_distribute import estimator, keras, metrics
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
     CrossDeviceOps,
@@ -61,6 +61,7 @@ from torch_distribute.input import (
 from torch_distribute.losses import compute_average_loss, scale_regularization_loss
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies import (
+    CentralStorageStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -74,6 +75,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoShardPolicy",
     "BackupAndRestore",
+    "CentralStorageStrategy",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
@@ -110,10 +112,12 @@ __all__ = [
     "WorkerUnavailableError",
     "cluster_resolver",
     "compute_average_loss",
+    "estimator",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "keras",
     "latest_checkpoint",
     "metrics",
     "scale_regularization_loss",

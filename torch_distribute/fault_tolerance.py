@@ -141,8 +141,11 @@ class BackupAndRestore:
         return self._position.step_in_epoch
 
     # -- the loops ----------------------------------------------------------------------------
-    def epochs(self, num_epochs: int) -> Iterator[int]:
-        """Epoch numbers from the restored epoch up to ``num_epochs``; backs up after each."""
+    def epochs(self, num_epochs: int, initial_epoch: int = 0) -> Iterator[int]:
+        """Epoch numbers from the restored epoch (else ``initial_epoch``) up to ``num_epochs``;
+        backs up after each."""
+        if self.restored_from is None and self._position.epoch < initial_epoch:
+            self._position.epoch = initial_epoch
         for epoch in range(self._position.epoch, num_epochs):
             self._position.epoch = epoch
             yield epoch
