@@ -17,7 +17,7 @@
 """
 
 from torch_distribute import cluster as cluster_resolver
-from torch_distribute import estimator, keras, metrics
+from torch_distribute import coordinator, estimator, keras, metrics, partitioners
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
     CrossDeviceOps,
@@ -38,6 +38,7 @@ from torch_distribute.context import (
 )
 from torch_distribute.errors import (
     CheckpointError,
+    ClosureCancelledError,
     ClusterConfigError,
     ContextError,
     DatasetError,
@@ -46,6 +47,8 @@ from torch_distribute.errors import (
     InvalidAxisError,
     InvalidDeviceError,
     InvalidReduceOpError,
+    OutOfRangeError,
+    ParameterServerUnavailableError,
     ReplicaMismatchError,
     UnmirroredStateError,
     WorkerUnavailableError,
@@ -59,12 +62,14 @@ from torch_distribute.input import (
     ValueContext,
 )
 from torch_distribute.losses import compute_average_loss, scale_regularization_loss
+from torch_distribute.ps import distribute_server
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     Strategy,
     StrategyExtended,
 )
@@ -79,6 +84,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "ClosureCancelledError",
     "ClusterConfigError",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -99,7 +105,10 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
+    "OutOfRangeError",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
+    "ParameterServerUnavailableError",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -111,8 +120,8 @@ __all__ = [
     "ValueContext",
     "WorkerUnavailableError",
     "cluster_resolver",
-    "compute_average_loss",
     "estimator",
+    "compute_average_loss",
     "get_replica_context",
     "get_strategy",
     "has_strategy",
@@ -120,5 +129,8 @@ __all__ = [
     "keras",
     "latest_checkpoint",
     "metrics",
+    "coordinator",
+    "distribute_server",
+    "partitioners",
     "scale_regularization_loss",
 ]

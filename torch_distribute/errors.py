@@ -53,3 +53,16 @@ class WorkerUnavailableError(DistributeError, RuntimeError):
 
 class ClusterConfigError(DistributeError, ValueError):
     """A cluster description (``TF_CONFIG``, torchrun or SLURM environment) that is invalid."""
+
+
+class ParameterServerUnavailableError(WorkerUnavailableError):
+    """A parameter server died or stopped answering: its variables are lost. Restart every
+    task and restore the coordinator's last checkpoint."""
+
+
+class ClosureCancelledError(DistributeError, RuntimeError):
+    """A scheduled function was cancelled (an earlier one failed) before it ran."""
+
+
+class OutOfRangeError(DistributeError, RuntimeError):
+    """A per-worker iterator ran out of data inside a scheduled function."""

@@ -5,6 +5,7 @@ from torch_distribute.strategies.capture import owner_of
 from torch_distribute.strategies.central_storage import CentralStorageStrategy
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
 from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
+from torch_distribute.strategies.parameter_server import ParameterServerStrategy
 from torch_distribute.strategies.single_replica import OneDeviceStrategy
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "Strategy",
     "StrategyExtended",
     "owner_of",

@@ -1,0 +1,252 @@
+"""``ParameterServerStrategy``: asynchronous training with parameters on parameter servers.
+
+The cluster (``TF_CONFIG`` or a resolver) has one ``chief`` (the coordinator: it runs the
+user's program), ``worker`` tasks and ``ps`` tasks; workers and parameter servers run
+``td.distribute_server()``. The strategy is created on the chief only. Everything travels
+over ``torch.distributed.rpc`` (TensorPipe); the chief hosts the group's store.
+
+- Parameters and buffers made in ``scope()`` live on the parameter servers, round-robin,
+  split along dim 0 by ``variable_partitioner`` (``td.partitioners``); the initial values
+  are sent when the scope is left. Optimizers made in scope become one optimizer per shard
+  on the servers (same class, same hyperparameters; learning-rate changes on the
+  coordinator are sent with the next ``schedule``).
+- ``td.coordinator.ClusterCoordinator(strategy).schedule(fn, args)`` runs ``fn`` on a free
+  worker: it reads the current parameters, computes, and ``optimizer.step()`` pushes the
+  gradients, applied on the servers at once (no worker waits for another).
+- The coordinator's module objects are views of the servers' values: ``forward`` and
+  ``state_dict()`` on the coordinator first read the current values, so ``td.Checkpoint``
+  saves exactly what a plain module's ``state_dict`` holds (shards joined) and restores
+  into any strategy; ``load_state_dict`` on the coordinator writes to the servers.
+
+>>> import torch_distribute as td
+>>> td.ParameterServerStrategy(td.cluster_resolver.SimpleClusterResolver({}))
+Traceback (most recent call last):
+...
+torch_distribute.errors.ClusterConfigError: ParameterServerStrategy needs a cluster with a 'chief', at least one 'worker' and at least one 'ps' task (TF_CONFIG or a cluster resolver); got an empty cluster.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from torch_distribute import context
+from torch_distribute.cluster import ClusterResolver, resolve_cluster
+from torch_distribute.devices import LogicalDevice
+from torch_distribute.errors import ClusterConfigError, ParameterServerUnavailableError
+from torch_distribute.ps import chief, client, hooks, server, transport
+from torch_distribute.strategies import capture
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.single_replica import call_on_this_thread
+
+__all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended"]
+
+
+class ParameterServerStrategyExtended(StrategyExtended):
+    def __init__(
+        self,
+        strategy: Strategy,
+        resolver: ClusterResolver,
+        variable_partitioner: Callable[..., Any] | None,
+        rpc_timeout: float,
+        startup_timeout: float,
+    ):
+        super().__init__(strategy, (LogicalDevice("cpu", 0),))
+        spec = resolver.cluster_spec()
+        self.num_ps = spec.num_tasks("ps")
+        self.num_workers = spec.num_tasks("worker")
+        self.rpc_timeout = rpc_timeout
+        self.startup_timeout = startup_timeout
+        self.registry = chief.ChiefRegistry(self.num_ps, variable_partitioner, rpc_timeout)
+        self._replica_context = context.ReplicaContext(strategy, 0)
+        self._closed = False
+        self._on_shutdown: list[Callable[[], None]] = []
+        address = server.chief_address(resolver)
+        self.membership = transport.join("chief", 0, address, rpc_timeout=rpc_timeout,
+                                         startup_timeout=startup_timeout)
+        chief.install(self.registry)
+        atexit.register(self.shutdown)
+        missing = self._wait_for_parameter_servers()
+        if missing:
+            self.shutdown()
+            raise ParameterServerUnavailableError(
+                f"Parameter servers {missing} did not join the coordinator at "
+                f"{address[0]}:{address[1]} within {startup_timeout:g} s. Start every ps task "
+                "(each runs td.distribute_server())."
+            )
+
+    def _wait_for_parameter_servers(self) -> list[str]:
+        keys = [transport.task_key("ps", i) for i in range(self.num_ps)]
+        transport.wait_for(lambda: all(self.membership.current_name(k) for k in keys), self.startup_timeout)
+        return [k for k in keys if not self.membership.current_name(k)]
+
+    # -- topology ------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        return True
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(client.ps_name(i) for i in range(self.num_ps))
+
+    # -- capture -------------------------------------------------------------------------
+    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
+        super()._capture_parameter(tensor, is_buffer, norm_layer)
+        self.registry.capture(tensor, is_buffer)
+        return None
+
+    def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.registry.capture_optimizer(optimizer)
+
+    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # On the coordinator (e.g. evaluation): one replica, in this thread, current values.
+        self.registry.refresh()
+        return call_on_this_thread(self._replica_context, torch.device("cpu"), fn, args, kwargs)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def add_shutdown_callback(self, callback: Callable[[], None]) -> None:
+        self._on_shutdown.append(callback)
+
+    def shutdown(self) -> None:
+        """Stop the cluster: workers and parameter servers leave their serving loop."""
+        if self._closed:
+            return
+        self._closed = True
+        for callback in self._on_shutdown:
+            with contextlib.suppress(Exception):
+                callback()
+        names = [self.membership.current_name(transport.task_key(job, i))
+                 for job, count in (("worker", self.num_workers), ("ps", self.num_ps)) for i in range(count)]
+        futures = []
+        for name in filter(None, names):
+            with contextlib.suppress(Exception):
+                futures.append(torch.distributed.rpc.rpc_async(name, server.stop_server, timeout=5.0))
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.wait()
+        chief.install(None)
+        transport.leave()
+
+
+class ParameterServerStrategy(Strategy):
+    """Asynchronous parameter-server training driven by a ``ClusterCoordinator``.
+
+    Create it on the chief; every ``worker`` and ``ps`` task runs ``td.distribute_server()``.
+
+    Args:
+        cluster_resolver: the cluster (default: ``TF_CONFIG``); it needs a ``chief``, at least
+            one ``worker`` and at least one ``ps``, and this task must be the chief.
+        variable_partitioner: ``td.partitioners.*`` (or any ``(shape, dtype) -> [k, 1, ...]``)
+            to split large parameters along dim 0 over the servers; ``None``: no split.
+        rpc_timeout: seconds any single read/update RPC may take.
+        startup_timeout: seconds to wait for the parameter servers to join.
+
+    Raises:
+        ClusterConfigError: a cluster without chief/worker/ps, or a task that is not the chief.
+        ParameterServerUnavailableError: a parameter server did not join in time.
+
+    Example (the chief's part of a script every task runs)::
+
+        strategy = td.ParameterServerStrategy(
+            variable_partitioner=td.partitioners.MinSizePartitioner(max_shards=2))
+        coordinator = td.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = make_model()
+            optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Callable[..., Any] | None = None,
+        *,
+        rpc_timeout: float = 60.0,
+        startup_timeout: float = 120.0,
+    ):
+        resolver = cluster_resolver or resolve_cluster()
+        _validate(resolver)
+        self._cluster_resolver = resolver
+        self._variable_partitioner = variable_partitioner
+        _install_module_hooks()
+        super().__init__(ParameterServerStrategyExtended(
+            self, resolver, variable_partitioner, rpc_timeout, startup_timeout))
+        self._cluster_coordinator: Any = None
+
+    @property
+    def extended(self) -> ParameterServerStrategyExtended:
+        return self._extended  # type: ignore[return-value]
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        return self._cluster_resolver
+
+    @property
+    def variable_partitioner(self) -> Callable[..., Any] | None:
+        return self._variable_partitioner
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[ParameterServerStrategy]:
+        """Parameters, buffers and optimizers made inside live on the parameter servers."""
+        with super().scope():
+            yield self
+        if not any(f.strategy is self for f in context.current_frames()):
+            self.extended.registry.materialize()
+
+    def _td_reference(self) -> tuple[str]:
+        return ("strategy",)
+
+    def __repr__(self) -> str:
+        ext = self.extended
+        return f"ParameterServerStrategy(workers={ext.num_workers}, ps={ext.num_ps})"
+
+
+def _validate(resolver: ClusterResolver) -> None:
+    spec = resolver.validate()
+    if not spec:
+        raise ClusterConfigError(
+            "ParameterServerStrategy needs a cluster with a 'chief', at least one 'worker' and at "
+            "least one 'ps' task (TF_CONFIG or a cluster resolver); got an empty cluster."
+        )
+    unknown = [job for job in spec.jobs if job not in ("chief", "worker", "ps")]
+    if unknown:
+        raise ClusterConfigError(
+            f"ParameterServerStrategy cluster jobs must be 'chief', 'worker' and 'ps'; got {unknown}."
+        )
+    for job in ("chief", "worker", "ps"):
+        if job not in spec.jobs or spec.num_tasks(job) < 1:
+            raise ClusterConfigError(
+                f"ParameterServerStrategy needs at least one {job!r} task; the cluster has jobs "
+                f"{ {j: spec.num_tasks(j) for j in spec.jobs} }."
+            )
+    if resolver.task_type != "chief":
+        raise ClusterConfigError(
+            f"This task is {resolver.task_type} {resolver.task_id}: only the 'chief' creates a "
+            "ParameterServerStrategy (it is the coordinator). Worker and ps tasks run "
+            "td.distribute_server() instead."
+        )
+
+
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _attach(module: nn.Module, name: str, value: Any) -> None:
+    strategy = capture._scope_strategy()
+    if isinstance(strategy, ParameterServerStrategy) and value is not None:
+        hooks.attach(module)
+
+
+def _install_module_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if not _hooks_installed:
+            nn_module.register_module_parameter_registration_hook(_attach)
+            nn_module.register_module_buffer_registration_hook(_attach)
+            _hooks_installed = True
