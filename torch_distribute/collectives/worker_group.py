@@ -65,7 +65,7 @@ class WorkerGroup:
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         self._heartbeat.start()
-        atexit.register(self._announce_exit)
+        atexit.register(self._at_exit)
 
     def _rendezvous(self) -> dist.TCPStore:
         """Meet at the chief's TCPStore; name the workers that did not turn up in time."""
@@ -117,14 +117,28 @@ class WorkerGroup:
                 return
             self._heartbeat_stop.wait(self._heartbeat_interval)
 
-    def _announce_exit(self) -> None:
-        """At interpreter exit (also after an uncaught exception), tell the others we left."""
+    def _stop_heartbeat(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=4 * self._heartbeat_interval + 1.0)
+
+    def _at_exit(self) -> None:
+        """At interpreter exit (also after an uncaught exception), tell the others we left.
+
+        Then close: the heartbeat thread joined and the process group destroyed before the
+        interpreter tears down. Left to finalization, about 1 clean run in 30 aborted
+        ("terminate called without an active exception") under torchrun.
+        """
+        if self._closed:
+            return
+        self._stop_heartbeat()
         client = self._heartbeat_client
-        if client is not None and not self._closed:
+        if client is not None:
             try:
                 client.set(f"{_LEFT_PREFIX}{self.rank}", "exited")
             except Exception:  # noqa: BLE001 - the store may be gone already
                 pass
+        self.close()
 
     def missing_workers(self) -> tuple[list[int], list[int]] | None:
         """(ranks that exited, ranks whose heartbeat stopped); None if the store is gone.
@@ -238,8 +252,8 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        self._heartbeat_stop.set()
-        atexit.unregister(self._announce_exit)
+        self._stop_heartbeat()
+        atexit.unregister(self._at_exit)
         if dist.is_initialized():
             dist.destroy_process_group()
 
