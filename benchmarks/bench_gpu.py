@@ -8,9 +8,13 @@ reports milliseconds per step (CUDA-synchronised); the table gives throughput ra
 * ``one``: ``td.OneDeviceStrategy("cuda:0")``, ``strategy.run`` over a distributed dataset.
 * ``central``: ``td.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")``: parameters
   and Adam state on the host, compute on the GPU (gradients to the host, values back).
-* ``mwms``: ``td.MultiWorkerMirroredStrategy`` with one worker on ``cuda:0`` over NCCL,
-  started by ``torch_distribute.launch``: the full multi-worker gradient path.
-* ``ddp``: ``DistributedDataParallel`` with one NCCL rank on ``cuda:0``.
+* ``mwms``: ``td.MultiWorkerMirroredStrategy`` with one worker on ``cuda:0``, started by
+  ``torch_distribute.launch``. With one worker nothing crosses processes (no process group
+  is made), so this measures the strategy's own cost on the GPU, not NCCL.
+* ``ddp``: ``DistributedDataParallel`` with one NCCL rank on ``cuda:0`` (its reducer still
+  copies every gradient into a bucket and all-reduces it over the one rank).
+
+Every variant moves its host batches to the GPU inside the timed loop.
 
 Run on a GPU machine: ``python benchmarks/bench_gpu.py [--steps 50 --rounds 3 --bf16]``.
 """
@@ -115,13 +119,15 @@ def run_variant(variant: str, steps: int, warmup: int, bf16: bool, device_name: 
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             strategy.run(replica_step, args=batch)
 
-        data = list(strategy.experimental_distribute_dataset(batches))
+        data = strategy.experimental_distribute_dataset(batches)
+    # Every variant moves its host batches to the device inside the timed loop.
+    batch_iterator = iter(data)
     synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
-    for batch in data[:warmup]:
-        runner(batch)
+    for _ in range(warmup):
+        runner(next(batch_iterator))
     synchronize()
     started = time.perf_counter()
-    for batch in data[warmup:]:
+    for batch in batch_iterator:
         runner(batch)
     synchronize()
     return (time.perf_counter() - started) / steps

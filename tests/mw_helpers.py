@@ -51,10 +51,17 @@ def flat(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]).tolist()
 
 
-def train_reference(epochs: int, n: int = N_SAMPLES, batch: int = GLOBAL_BATCH, lr: float = LR) -> dict:
-    """One process, no strategy: the same model (chief's seed), data, global batch and loss."""
+def train_reference(epochs: int, n: int = N_SAMPLES, batch: int = GLOBAL_BATCH, lr: float = LR,
+                    init_device: str = "cpu") -> dict:
+    """One process, no strategy: the same model (chief's seed), data, global batch and loss.
+
+    ``init_device``: where the model is created (and so which generator draws its initial
+    values); a strategy creates modules made in its scope on its first device.
+    """
     torch.manual_seed(CHIEF_SEED)
-    model = make_model()
+    with torch.device(init_device):
+        model = make_model()
+    model = model.cpu()
     init = flat(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     x, y = make_data(n)

@@ -39,9 +39,14 @@ def batches(n_batches: int = 6, global_batch: int = 12):
             for _ in range(n_batches)]
 
 
-def train_plain(device: str, data) -> nn.Module:
+def train_plain(device: str, data, init_device: str = "cuda") -> nn.Module:
+    """The hand-written loop. Modules made in a strategy's scope are created on the
+    strategy's (first) device, so their initial values come from that device's generator:
+    the reference builds its model there too (``init_device``), as ``torch.device`` does."""
     torch.manual_seed(0)
-    model = make_cnn().to(device)
+    with torch.device(init_device):
+        model = make_cnn()
+    model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for x, y in data:
         loss = F.cross_entropy(model(x.to(device)), y.to(device), reduction="none").sum() / x.shape[0]
@@ -93,7 +98,7 @@ def test_mirrored_gpu_and_cpu_replicas_match_one_device():
     """A CUDA replica and a CPU replica in one strategy: reduced across the two devices."""
     data = batches()
     model, _ = train_with(td.MirroredStrategy(["cuda:0", "cpu:0"]), data)
-    assert_close_to(model, train_plain("cpu", data), atol=1e-4)
+    assert_close_to(model, train_plain("cpu", data, init_device="cuda"), atol=1e-4)
 
 
 def test_central_storage_parameters_on_host_compute_on_gpu():
@@ -104,7 +109,7 @@ def test_central_storage_parameters_on_host_compute_on_gpu():
     assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     replica_weights = strategy.experimental_local_results(strategy.run(lambda: model[0].weight * 1))
     assert replica_weights[0].device.type == "cuda"
-    assert_close_to(model, train_plain("cpu", data), atol=1e-4)
+    assert_close_to(model, train_plain("cpu", data, init_device="cpu"), atol=1e-4)
 
 
 def test_central_storage_default_parameter_device_is_the_only_gpu():
@@ -118,7 +123,7 @@ def test_nccl_all_reduce_between_gpu_tensors():
     values = [[torch.arange(4.0, device="cuda"), torch.ones(2, 2, device="cuda")]]
     out = ops.batch_reduce("sum", values, torch.device("cuda:0"))
     assert torch.equal(out[0].cpu(), torch.arange(4.0))
-    with pytest.raises(td.InvalidArgumentError, match="CUDA"):
+    with pytest.raises(td.InvalidDeviceError, match="CUDA"):
         ops.validate(td.MirroredStrategy(["cuda:0", "cpu:0"]).extended.worker_devices)
 
 
@@ -144,13 +149,19 @@ def _launch_gpu_workers(nproc: int, *extra: str) -> dict[int, dict]:
     return results
 
 
-@pytest.mark.parametrize(("nproc", "implementation"), [(1, "nccl"), (1, "auto"), (2, "ring")])
+@pytest.mark.parametrize(("nproc", "implementation"), [
+    (1, "nccl"), (1, "auto"), (2, "ring"),
+    pytest.param(2, "nccl", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="NCCL needs a GPU per worker")),
+])
 def test_multi_worker_on_gpu_matches_one_process(nproc, implementation):
+    """Workers share the GPUs round-robin; over Gloo (``ring``) several may share one GPU."""
     results = _launch_gpu_workers(nproc, "--implementation", implementation)
-    reference = H.train_reference(2)
-    for payload in results.values():
-        assert payload["param_device"] == "cuda:0"
-        assert payload["uses_nccl"] == (implementation != "ring")
+    reference = H.train_reference(2, init_device="cuda")
+    for rank, payload in results.items():
+        assert payload["param_device"] == f"cuda:{rank % torch.cuda.device_count()}"
+        # One worker has no process group: nothing crosses processes.
+        assert payload["uses_nccl"] == (nproc > 1 and implementation != "ring")
         torch.testing.assert_close(torch.tensor(payload["params"]), torch.tensor(reference["params"]),
                                    atol=1e-4, rtol=1e-4)
     assert all(results[r]["params"] == results[0]["params"] for r in results)

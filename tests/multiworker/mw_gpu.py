@@ -2,9 +2,10 @@
 
     python mw_gpu.py --implementation auto|ring|nccl [--epochs E] [--bf16]
 
-Trains the shared tiny model on ``cuda:0`` under ``MultiWorkerMirroredStrategy`` (several
-workers may share the one GPU: with ``ring`` Gloo carries the CUDA tensors, with NCCL a
-worker needs a GPU of its own) and reports its parameters and the backend in use.
+Trains the shared tiny model on GPU ``local_rank % device_count`` under
+``MultiWorkerMirroredStrategy`` (several workers may share one GPU: with ``ring`` Gloo carries
+the CUDA tensors, with NCCL a worker needs a GPU of its own) and reports its parameters and
+the backend in use.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ parser.add_argument("--bf16", action="store_true", help="forward under torch.aut
 args = parser.parse_args()
 
 implementation = td.CommunicationImplementation[args.implementation.upper()]
+local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 strategy = td.MultiWorkerMirroredStrategy(
-    devices=["cuda:0"],
+    devices=[f"cuda:{local_rank % torch.cuda.device_count()}"],
     communication_options=td.CommunicationOptions(implementation=implementation, timeout_seconds=60))
 rank = strategy.cluster_resolver.worker_index
 torch.manual_seed(H.worker_seed(rank))
