@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -125,9 +126,11 @@ class WorkerGroup:
     def _at_exit(self) -> None:
         """At interpreter exit (also after an uncaught exception), tell the others we left.
 
-        Then close: the heartbeat thread joined and the process group destroyed before the
-        interpreter tears down. Left to finalization, about 1 clean run in 30 aborted
-        ("terminate called without an active exception") under torchrun.
+        After a clean run, then close: the heartbeat thread joined and the process group
+        destroyed before the interpreter tears down. Left to finalization, about 1 clean run
+        in 30 aborted ("terminate called without an active exception") under torchrun. After
+        an uncaught exception the group is left alone: peers may still be inside a
+        collective, and tearing it down must not hold this process's exit.
         """
         if self._closed:
             return
@@ -138,7 +141,8 @@ class WorkerGroup:
                 client.set(f"{_LEFT_PREFIX}{self.rank}", "exited")
             except Exception:  # noqa: BLE001 - the store may be gone already
                 pass
-        self.close()
+        if getattr(sys, "last_value", None) is None:  # set when the program died of an exception
+            self.close()
 
     def missing_workers(self) -> tuple[list[int], list[int]] | None:
         """(ranks that exited, ranks whose heartbeat stopped); None if the store is gone.
