@@ -21,6 +21,7 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: setup

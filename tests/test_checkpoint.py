@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_distribute as td
-from torch_distribute import checkpoint as ckpt_lib
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
+from torch_distribute.checkpoint import object_graph as ckpt_lib
 from torch_distribute.errors import CheckpointError, InvalidArgumentError
 
 

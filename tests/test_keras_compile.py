@@ -7,6 +7,7 @@ import torch
 
 import torch_distribute as td
 from torch_distribute.keras import losses, metrics, optimizers
+from torch_distribute.strategies import owner_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,8 +77,8 @@ def test_compile_makes_the_optimizer_and_metrics_in_the_models_scope():
     with strategy.scope():
         model = td.keras.Model(torch.nn.Linear(2, 1))
     model.compile(optimizer="adam", loss="mse", metrics=["mae"])  # outside the scope
-    assert model.optimizer._td_strategy is strategy
-    assert all(m._strategy is strategy for m in model.metrics)
+    assert owner_of(model.optimizer) is strategy
+    assert all(owner_of(m) is strategy for m in model.metrics)
     assert model.distribute_strategy is strategy
 
 

@@ -56,7 +56,7 @@ def worker() -> None:
     args = parser.parse_args()
     strategy = td.MultiWorkerMirroredStrategy(
         devices=["cpu:0", "cpu:1"], communication_options=td.CommunicationOptions(timeout_seconds=30))
-    rank = strategy.extended._worker_index
+    rank = strategy.extended.worker_index
     result = _fit(strategy, seed=100 + rank, out_dir=args.out)  # every worker seeds differently
     print(RESULT + json.dumps({"rank": rank, **result}), flush=True)
 

@@ -129,7 +129,7 @@ def test_cluster_validation():
 def test_remote_value_and_per_worker_values():
     value = td.coordinator.RemoteValue()
     assert value.status.value == "NOT_READY"
-    value._cancel()
+    value.cancel()
     with pytest.raises(td.ClosureCancelledError):
         value.fetch()
     assert td.coordinator.PerWorkerValues([1, 2]).values == (1, 2)

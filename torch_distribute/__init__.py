@@ -30,7 +30,6 @@ from torch_distribute.collectives.communication import (
     CommunicationOptions,
 )
 from torch_distribute.context import (
-    ReplicaContext,
     get_replica_context,
     get_strategy,
     has_strategy,
@@ -64,6 +63,7 @@ from torch_distribute.input import (
 from torch_distribute.losses import compute_average_loss, scale_regularization_loss
 from torch_distribute.ps import distribute_server
 from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,

@@ -198,23 +198,23 @@ class BackupAndRestore:
     # -- saving -------------------------------------------------------------------------------
     def _save(self) -> str:
         states = (self._epoch_start_rng, _get_rng(self._active_generators))
-        group = getattr(self._strategy.extended, "worker_group", None)
-        every_worker = group.all_gather_objects(states, what="backup") if group is not None else [states]
+        every_worker = self._strategy.extended.all_gather_objects(states, what="backup")
         self._position.epoch_start_rng = [start for start, _ in every_worker]
         self._position.current_rng = [current for _, current in every_worker]
         return self._manager.save()
 
     def _mine(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         """This worker's saved RNG state (worker 0's when the worker count changed)."""
-        index = self._strategy.extended._worker_index
-        return states[index] if len(states) == self._strategy.extended._num_workers else states[0]
+        extended = self._strategy.extended
+        index = extended.worker_index
+        return states[index] if len(states) == extended.num_workers_in_sync else states[0]
 
     # -- preemption ---------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._preempted_locally = True
 
     def _preemption_due(self) -> bool:
-        store = _job_store(self._strategy)
+        store = self._strategy.extended.coordination_store
         step = self._position.global_step
         if store is None:
             return self._preempted_locally
@@ -228,15 +228,10 @@ class BackupAndRestore:
         return False
 
 
-def _job_store(strategy: Any) -> Any:
-    group = getattr(strategy.extended, "worker_group", None)
-    return group.store if group is not None else None
-
-
 def _find_generators(iterable: Any) -> list[torch.Generator]:
     """Generators that decide a DataLoader's order, also under a distributed dataset."""
     found: list[torch.Generator] = []
-    loader = getattr(iterable, "_dataset", iterable)
+    loader = getattr(iterable, "source", iterable)
     for holder in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         generator = getattr(holder, "generator", None)
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):

@@ -18,9 +18,10 @@ import torch
 
 from torch_distribute import context
 from torch_distribute.errors import ContextError, InvalidArgumentError
+from torch_distribute.replica_context import ReplicaContext
 
 
-def _require_replica_context(name: str) -> context.ReplicaContext:
+def _require_replica_context(name: str) -> ReplicaContext:
     if context.in_cross_replica_context():
         raise ContextError(
             f"td.{name}() was called in cross-replica context; call it inside the function "

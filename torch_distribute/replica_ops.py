@@ -8,7 +8,7 @@ all-reduce of the upstream gradients (MEAN likewise), so every replica must run 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,20 +16,20 @@ from torch_distribute import nest
 from torch_distribute.errors import InvalidAxisError
 from torch_distribute.reduce_op import ReduceOp
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch_distribute.context import ReplicaContext
+# ``replica_ctx`` below is a ``ReplicaContext`` (a layer above this one): only its public
+# ``merge_call_now`` and replica ids are used.
 
 
-def _merge_all_reduce(replica_ctx: ReplicaContext, op: ReduceOp, tensors: tuple) -> tuple:
+def _merge_all_reduce(replica_ctx: Any, op: ReduceOp, tensors: tuple) -> tuple:
     def merge_fn(strategy: Any, *per_replica: Any) -> Any:
-        return strategy.extended._all_reduce_per_replica(op, list(per_replica))
+        return strategy.extended.replica_all_reduce(op, list(per_replica))
 
-    return replica_ctx._merge_call(merge_fn, tensors, {})
+    return replica_ctx.merge_call_now(merge_fn, tensors, {})
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, replica_ctx: ReplicaContext, op: ReduceOp, *tensors: torch.Tensor):
+    def forward(ctx: Any, replica_ctx: Any, op: ReduceOp, *tensors: torch.Tensor):
         ctx.replica_ctx = replica_ctx
         ctx.op = op
         return tuple(_merge_all_reduce(replica_ctx, op, tensors))
@@ -40,7 +40,7 @@ class _AllReduce(torch.autograd.Function):
         return (None, None, *reduced)
 
 
-def all_reduce(replica_ctx: ReplicaContext, reduce_op: ReduceOp | str, value: Any) -> Any:
+def all_reduce(replica_ctx: Any, reduce_op: ReduceOp | str, value: Any) -> Any:
     op = ReduceOp.from_value(reduce_op)
     leaves, spec = nest.flatten(value)
     tensors = [torch.as_tensor(leaf) for leaf in leaves]
@@ -52,14 +52,14 @@ def all_reduce(replica_ctx: ReplicaContext, reduce_op: ReduceOp | str, value: An
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, replica_ctx: ReplicaContext, axis: int, *tensors: torch.Tensor):
+    def forward(ctx: Any, replica_ctx: Any, axis: int, *tensors: torch.Tensor):
         ctx.replica_ctx = replica_ctx
         ctx.axis = axis
 
         def merge_fn(strategy: Any, *per_replica: Any) -> Any:
-            return strategy.extended._all_gather_per_replica(list(per_replica), axis)
+            return strategy.extended.replica_all_gather(list(per_replica), axis)
 
-        gathered, sizes = replica_ctx._merge_call(merge_fn, tensors, {})
+        gathered, sizes = replica_ctx.merge_call_now(merge_fn, tensors, {})
         ctx.sizes = sizes
         return tuple(gathered)
 
@@ -74,7 +74,7 @@ class _AllGather(torch.autograd.Function):
         return (None, None, *out)
 
 
-def all_gather(replica_ctx: ReplicaContext, value: Any, axis: int) -> Any:
+def all_gather(replica_ctx: Any, value: Any, axis: int) -> Any:
     leaves, spec = nest.flatten(value)
     tensors = [torch.as_tensor(leaf) for leaf in leaves]
     for t in tensors:

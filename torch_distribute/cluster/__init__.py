@@ -5,21 +5,20 @@
 >>> resolver.num_workers, resolver.worker_index, resolver.is_chief
 (1, 0, True)
 
-See :mod:`torch_distribute.cluster.resolvers` for ``TF_CONFIG``, torchrun and SLURM.
+The base class and TensorFlow's validation are in :mod:`torch_distribute.cluster.base`;
+one module per source of a cluster description: :mod:`~torch_distribute.cluster.tf_config`,
+:mod:`~torch_distribute.cluster.torchrun`, :mod:`~torch_distribute.cluster.slurm_resolver`,
+:mod:`~torch_distribute.cluster.simple`; :mod:`~torch_distribute.cluster.detect` picks one.
 """
 
+from torch_distribute.cluster.base import VALID_TASK_TYPES, ClusterResolver, validate_cluster_spec
 from torch_distribute.cluster.cluster_spec import ClusterSpec, split_address
-from torch_distribute.cluster.resolvers import (
-    VALID_TASK_TYPES,
-    ClusterResolver,
-    SimpleClusterResolver,
-    SlurmClusterResolver,
-    TFConfigClusterResolver,
-    TorchrunClusterResolver,
-    resolve_cluster,
-    validate_cluster_spec,
-)
+from torch_distribute.cluster.detect import resolve_cluster
+from torch_distribute.cluster.simple import SimpleClusterResolver
 from torch_distribute.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from torch_distribute.cluster.slurm_resolver import SlurmClusterResolver
+from torch_distribute.cluster.tf_config import TFConfigClusterResolver
+from torch_distribute.cluster.torchrun import TorchrunClusterResolver
 from torch_distribute.errors import ClusterConfigError
 
 __all__ = [

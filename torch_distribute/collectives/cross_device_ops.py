@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from torch_distribute.collectives.arithmetic import divide
+from torch_distribute.collectives.packing import pack, packs_by_dtype, unpack
 from torch_distribute.devices import LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError, InvalidDeviceError
 from torch_distribute.reduce_op import ReduceOp
@@ -65,12 +67,12 @@ class CrossDeviceOps:
         op = ReduceOp.from_value(reduce_op)
         _check_same_shapes(per_replica_tensors)
         results: list[torch.Tensor] = [None] * len(per_replica_tensors[0])  # type: ignore[list-item]
-        for indices in _packs(per_replica_tensors[0], self.num_packs):
-            flats = [_flatten([tensors[i] for i in indices]) for tensors in per_replica_tensors]
+        for indices in packs_by_dtype(per_replica_tensors[0], self.num_packs):
+            flats = [pack([tensors[i] for i in indices]) for tensors in per_replica_tensors]
             total = self._reduce_flat(flats, destination)
             if op is ReduceOp.MEAN:
-                total = _divide(total, len(flats))
-            for i, piece in zip(indices, _unflatten(total, [per_replica_tensors[0][i] for i in indices]), strict=True):
+                total = divide(total, len(flats))
+            for i, piece in zip(indices, unpack(total, [per_replica_tensors[0][i] for i in indices]), strict=True):
                 results[i] = piece
         return results
 
@@ -82,15 +84,15 @@ class CrossDeviceOps:
         devices = [tensors[0].device if tensors else torch.device("cpu") for tensors in per_replica_tensors]
         num_replicas = len(per_replica_tensors)
         out: list[list[torch.Tensor]] = [[None] * len(per_replica_tensors[0]) for _ in range(num_replicas)]  # type: ignore[list-item]
-        for indices in _packs(per_replica_tensors[0], self.num_packs):
-            flats = [_flatten([tensors[i] for i in indices]) for tensors in per_replica_tensors]
+        for indices in packs_by_dtype(per_replica_tensors[0], self.num_packs):
+            flats = [pack([tensors[i] for i in indices]) for tensors in per_replica_tensors]
             reduced = self._all_reduce_flat(flats)
             for r in range(num_replicas):
                 flat = reduced[r].to(devices[r], non_blocking=True)
                 if op is ReduceOp.MEAN:
-                    flat = _divide(flat, num_replicas)
+                    flat = divide(flat, num_replicas)
                 templates = [per_replica_tensors[r][i] for i in indices]
-                for i, piece in zip(indices, _unflatten(flat, templates), strict=True):
+                for i, piece in zip(indices, unpack(flat, templates), strict=True):
                     out[r][i] = piece
         return out
 
@@ -204,46 +206,3 @@ def _check_same_shapes(per_replica_tensors: Sequence[Sequence[torch.Tensor]]) ->
                     f"{r} has shape {tuple(b.shape)}. Reduce values of the same shape, or use "
                     "reduce(..., axis=0) / gather for per-example values."
                 )
-
-
-def _packs(tensors: Sequence[torch.Tensor], num_packs: int) -> list[list[int]]:
-    """Indices grouped by dtype, each dtype split into at most ``num_packs`` packs of similar size."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    packs: list[list[int]] = []
-    for indices in by_dtype.values():
-        total = sum(tensors[i].numel() for i in indices)
-        target = max(1, -(-total // num_packs))
-        current: list[int] = []
-        size = 0
-        for i in indices:
-            current.append(i)
-            size += tensors[i].numel()
-            if size >= target and len(packs) < num_packs * len(by_dtype):
-                packs.append(current)
-                current, size = [], 0
-        if current:
-            packs.append(current)
-    return packs
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, templates: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in templates:
-        n = t.numel()
-        out.append(flat[offset:offset + n].view(t.shape))
-        offset += n
-    return out
-
-
-def _divide(tensor: torch.Tensor, count: int) -> torch.Tensor:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor / count
-    return torch.div(tensor, count, rounding_mode="floor")

@@ -1,4 +1,8 @@
-"""``WorkerGroup``: the worker processes of one job, over ``torch.distributed``.
+"""``WorkerGroup``: the process-group level of the collectives, over ``torch.distributed``.
+
+Every collective between worker processes goes through it: reductions, gathers and
+broadcasts of tensors (packed ones too), the asynchronous gradient all-reduce, and small
+Python objects.
 
 Rendezvous is a c10d ``TCPStore`` hosted by the chief. Every collective has a deadline; each
 worker also writes a heartbeat into the store, so when a collective fails or times out the
@@ -23,6 +27,7 @@ from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
+from torch_distribute.collectives.packing import apply_packed_
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 
 _HEARTBEAT_PREFIX = "td/heartbeat/"
@@ -244,9 +249,18 @@ class WorkerGroup:
         self._wait(what, lambda: dist.all_gather(pieces, padded, async_op=True))
         return torch.cat([p.narrow(axis, 0, n).to(tensor.device) for p, n in zip(pieces, counts, strict=True)], dim=axis)
 
-    def barrier(self, what: str = "barrier") -> None:
-        flag = torch.zeros(1)
-        self.all_reduce_(flag, what=what)
+    def broadcast_packed_(self, tensors: list[torch.Tensor], src: int = 0, what: str = "broadcast") -> None:
+        """Broadcast ``tensors`` from worker ``src`` in place, packed into few buffers."""
+        apply_packed_(tensors, lambda flat: self.broadcast_(flat, src=src, what=what))
+
+    def average_packed_(self, tensors: list[torch.Tensor], what: str = "average") -> None:
+        """Replace ``tensors`` in place by their mean over the workers, packed."""
+        apply_packed_(tensors, lambda flat: self.all_reduce_(flat, what=what).div_(self.world_size))
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        """Start a SUM of ``tensor`` over the workers on the gradient group (never interleaved
+        with other collectives); finish it with ``wait(what, handle)``."""
+        return dist.all_reduce(tensor, group=self.gradient_group, async_op=True)
 
     def _comm_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_cuda and not self.uses_nccl:

@@ -91,9 +91,9 @@ class ClosureQueue:
         with self._cond:
             self._inflight -= 1
             closure.attempts += 1
-            closure.remote_value._set_aborted()
+            closure.remote_value.set_aborted()
             if self._error is not None or self._fatal is not None:
-                closure.remote_value._cancel()
+                closure.remote_value.cancel()
             else:
                 self._queue.appendleft(closure)
             self._cond.notify_all()
@@ -121,7 +121,7 @@ class ClosureQueue:
 
     def _cancel_queued(self) -> None:
         while self._queue:
-            self._queue.popleft().remote_value._cancel()
+            self._queue.popleft().remote_value.cancel()
 
     def stop(self) -> None:
         with self._cond:

@@ -42,7 +42,7 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any, worker_wait_timeout: float | None = None) -> ClusterCoordinator:
-        existing = getattr(strategy, "_cluster_coordinator", None)
+        existing = strategy.extended.cluster_coordinator if isinstance(strategy, ParameterServerStrategy) else None
         if existing is not None:
             return existing
         return super().__new__(cls)
@@ -67,7 +67,7 @@ class ClusterCoordinator:
         for dispatcher in self._dispatchers:
             dispatcher.start()
         extended.add_shutdown_callback(self._stop)
-        strategy._cluster_coordinator = self
+        extended.cluster_coordinator = self
 
     @property
     def strategy(self) -> ParameterServerStrategy:

@@ -95,7 +95,7 @@ class WorkerDispatcher:
             return
         kind = reply[0]
         if kind == "ok":
-            closure.remote_value._set_value(pickle.loads(reply[1]))
+            closure.remote_value.set_value(pickle.loads(reply[1]))
             self.completed += 1
             self._queue.mark_finished()
         elif kind == "ps_error":
@@ -103,11 +103,11 @@ class WorkerDispatcher:
             if error is None:  # the server answers again: a transient failure, run it again
                 self._queue.put_back(closure)
             else:
-                closure.remote_value._set_error(error)
+                closure.remote_value.set_error(error)
                 self._queue.mark_fatal(error)
         else:
             error = _rebuild_error(reply, name)
-            closure.remote_value._set_error(error)
+            closure.remote_value.set_error(error)
             self._queue.mark_failed(error)
         self._on_closure_done()
 

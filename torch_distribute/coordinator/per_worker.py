@@ -15,9 +15,10 @@ from torch_distribute.ps import chief, pickling
 
 
 def _registry() -> chief.ChiefRegistry:
-    if chief._registry is None:
+    registry = chief.current_registry()
+    if registry is None:
         raise InvalidArgumentError("PerWorkerValues need a ParameterServerStrategy on this (chief) task.")
-    return chief._registry
+    return registry
 
 
 def _value_reference(obj: Any) -> pickling.Reference | None:
@@ -44,7 +45,7 @@ class PerWorkerValues:
         """The components when built from values (``None`` for worker-built resources)."""
         return self._values
 
-    def _td_reference(self) -> pickling.Reference:
+    def td_reference(self) -> pickling.Reference:
         if self._oid is None:
             blobs = [pickling.dumps(v, _value_reference, "a PerWorkerValues component") for v in self._values or ()]
             self._oid = _registry().register_recipe(("values", blobs))
@@ -83,5 +84,5 @@ class PerWorkerDataset:
     def __iter__(self) -> PerWorkerIterator:
         return PerWorkerIterator(_oid=_registry().register_recipe(("iterator", self._oid)))
 
-    def _td_reference(self) -> pickling.Reference:
+    def td_reference(self) -> pickling.Reference:
         return ("per_worker", self._oid)

@@ -24,7 +24,7 @@ class RemoteValue:
     another ``schedule`` (as in TensorFlow).
 
     >>> value = RemoteValue()
-    >>> value._set_value(3)
+    >>> value.set_value(3)
     >>> value.fetch()
     3
     """
@@ -50,26 +50,26 @@ class RemoteValue:
         """Same as ``fetch()`` (TensorFlow returns tensors here, numpy from fetch)."""
         return self.fetch()
 
-    def _set_value(self, value: Any) -> None:
+    def set_value(self, value: Any) -> None:
         self._value = value
         self._status = RemoteValueStatus.READY
         self._ready.set()
 
-    def _set_error(self, error: BaseException) -> None:
+    def set_error(self, error: BaseException) -> None:
         self._error = error
         self._status = RemoteValueStatus.READY
         self._ready.set()
 
-    def _set_aborted(self) -> None:
+    def set_aborted(self) -> None:
         self._status = RemoteValueStatus.ABORTED
 
-    def _cancel(self) -> None:
-        self._set_error(ClosureCancelledError(
+    def cancel(self) -> None:
+        self.set_error(ClosureCancelledError(
             "This scheduled function was cancelled before it ran: an earlier scheduled function "
             "failed (its error was raised by schedule/join/done)."
         ))
 
-    def _td_reference(self) -> Any:
+    def td_reference(self) -> Any:
         raise InvalidArgumentError(
             "A RemoteValue cannot be an argument of schedule(): fetch() it first, or keep the "
             "state on the parameter servers (a module made in strategy.scope())."

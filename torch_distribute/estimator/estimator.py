@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torch_distribute import context
-from torch_distribute.checkpoint import Checkpoint, CheckpointManager
+from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.estimator.run_config import RunConfig
 from torch_distribute.keras.callbacks.base import Callback
@@ -81,7 +81,7 @@ class Estimator:
         if key not in self._models:
             if self.config.tf_random_seed is not None:
                 torch.manual_seed(self.config.tf_random_seed)
-            scope = contextlib.nullcontext() if strategy._is_default else strategy.scope()
+            scope = contextlib.nullcontext() if strategy.is_default else strategy.scope()
             with scope:
                 takes_params = bool(inspect.signature(self._model_fn).parameters)
                 model = self._model_fn(self.params) if takes_params else self._model_fn()
@@ -97,14 +97,13 @@ class Estimator:
         return model, manager, step
 
     def latest_checkpoint(self) -> str | None:
-        from torch_distribute.checkpoint import latest_checkpoint
-
+        """The newest checkpoint in ``model_dir``, ``None`` before the first ``train``."""
         return latest_checkpoint(self.model_dir)
 
     def get_variable_value(self, name: str) -> torch.Tensor:
         """A parameter of the latest checkpoint by its ``state_dict`` name (e.g. ``"weight"``)."""
         model, _, _ = self._build(self._strategy("eval"))
-        state = model._weights_module().state_dict()
+        state = model.weights_module.state_dict()
         if name not in state:
             raise InvalidArgumentError(f"No variable {name!r}; variables: {sorted(state)}.")
         return state[name].detach().cpu().clone()

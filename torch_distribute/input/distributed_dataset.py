@@ -151,6 +151,11 @@ class DistributedDataset(_DistributedIterable):
             )
         return policy
 
+    @property
+    def source(self) -> Iterable[Any]:
+        """The iterable of global batches this dataset splits (after file sharding)."""
+        return self._dataset
+
     def __len__(self) -> int:
         return len(self._dataset)  # type: ignore[arg-type]
 

@@ -79,6 +79,13 @@ class InputOptions:
 
     ``experimental_fetch_to_device``: move each replica's batch to its device (default); with
     False batches stay on the host. ``auto_shard_policy`` is used by multi-worker strategies.
+    TensorFlow's other three fields are accepted at their defaults only (what this library
+    does); any other value raises ``InvalidArgumentError`` rather than being ignored.
+
+    >>> InputOptions(experimental_per_replica_buffer_size=2)
+    Traceback (most recent call last):
+    ...
+    torch_distribute.errors.InvalidArgumentError: InputOptions(experimental_per_replica_buffer_size=2) is not supported: batches are fetched one step ahead per replica (1). Leave it at 1.
     """
 
     experimental_fetch_to_device: bool = True
@@ -86,3 +93,23 @@ class InputOptions:
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
+
+    def __post_init__(self) -> None:
+        if self.experimental_replication_mode is not InputReplicationMode.PER_WORKER:
+            raise InvalidArgumentError(
+                f"InputOptions(experimental_replication_mode={self.experimental_replication_mode}) "
+                "is not supported: the dataset function runs once per worker (PER_WORKER) and "
+                "its batches are split across the local replicas. Leave the default."
+            )
+        if self.experimental_place_dataset_on_device:
+            raise InvalidArgumentError(
+                "InputOptions(experimental_place_dataset_on_device=True) is not supported: the "
+                "input pipeline runs on the host and experimental_fetch_to_device=True (the "
+                "default) moves each replica's batch to its device."
+            )
+        if self.experimental_per_replica_buffer_size != 1:
+            raise InvalidArgumentError(
+                f"InputOptions(experimental_per_replica_buffer_size="
+                f"{self.experimental_per_replica_buffer_size}) is not supported: batches are "
+                "fetched one step ahead per replica (1). Leave it at 1."
+            )

@@ -18,7 +18,7 @@ from torch_distribute.keras import (
     optimizers,
     preprocessing,
 )
-from torch_distribute.keras.history import History
+from torch_distribute.keras.callbacks.history import History
 from torch_distribute.keras.model import Model, NotCompiledError
 from torch_distribute.keras.progbar import Progbar
 

@@ -19,7 +19,7 @@ warning.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from torch_distribute.input import (
     DistributedDataset,
     InputOptions,
 )
+from torch_distribute.values import PerReplica
 
 __all__ = ["ArrayBatches", "DataHandler", "IterableBatches", "make_handler", "unpack"]
 
@@ -152,14 +153,14 @@ class _Epoch:
     batch of the step just taken (also after batches were skipped to resume a run).
     """
 
-    def __init__(self, handler: DataHandler, batches: Iterator[Any], length: int | None):
-        self._handler = handler
+    def __init__(self, record_rows: Callable[[int], None], batches: Iterator[Any], length: int | None):
+        self._record_rows = record_rows
         self._batches = batches
         self._length = length
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self._batches:
-            self._handler._last_rows = _rows(batch)
+            self._record_rows(_rows(batch))
             yield batch
 
 
@@ -210,19 +211,35 @@ class DataHandler:
         self._last_rows = None
         if self.source is None:
             batches: Iterable[Any] = self.distributed
-            return batches if self.steps_per_epoch is None else _take(self.distributed, self, self.steps_per_epoch)
+            return batches if self.steps_per_epoch is None else self._take(self.distributed, self.steps_per_epoch)
         if self.steps_per_epoch is None and self.source.reiterable:
             global_batches: Iterator[Any] = self.source.passes(epoch)
         else:
             global_batches = self._stream_batches()
         length = self.steps
-        epoch_batches = _SizedEpoch(self, global_batches, length) if length is not None else _Epoch(self, global_batches, None)
+        epoch_batches = (_SizedEpoch(self._record_rows, global_batches, length) if length is not None
+                         else _Epoch(self._record_rows, global_batches, None))
         return self.strategy.experimental_distribute_dataset(epoch_batches, options=DATA_SHARDING)
+
+    def _take(self, iterable: Iterable[Any], count: int) -> Iterator[Any]:
+        """The next ``count`` batches of a distributed dataset, one stream across epochs."""
+        iterator = self._stream if self._stream is not None else iter(iterable)
+        self._stream = iterator
+        for _ in range(count):
+            try:
+                yield next(iterator)
+            except StopIteration:
+                self.exhausted = True
+                self._stream = None
+                return
 
     def _new_pass(self) -> None:
         self._pass += 1
         self._taken_in_pass = 0
         self._stream = iter(self.source.passes(self._pass)) if self.source.reiterable or self._stream is None else self._stream
+
+    def _record_rows(self, rows: int) -> None:
+        self._last_rows = rows
 
     def _stream_batches(self) -> Iterator[Any]:
         """The next ``steps_per_epoch`` batches of the stream (or what is left of a one-shot one)."""
@@ -255,21 +272,7 @@ class DataHandler:
 
 
 def _per_replica(values: list[int]) -> Any:
-    from torch_distribute.values import PerReplica
-
     return PerReplica([torch.tensor(v, dtype=torch.int64) for v in values])
-
-
-def _take(iterable: Iterable[Any], handler: DataHandler, count: int) -> Iterator[Any]:
-    iterator = handler._stream if handler._stream is not None else iter(iterable)
-    handler._stream = iterator
-    for _ in range(count):
-        try:
-            yield next(iterator)
-        except StopIteration:
-            handler.exhausted = True
-            handler._stream = None
-            return
 
 
 def make_handler(

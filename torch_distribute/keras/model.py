@@ -20,30 +20,26 @@ numbers are those of one device, whatever the strategy.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from torch_distribute import context, nest
+from torch_distribute import context
 from torch_distribute import metrics as td_metrics
 from torch_distribute.checkpoint import Checkpoint
 from torch_distribute.errors import (
     ContextError,
-    DatasetError,
     InvalidArgumentError,
     UnmirroredStateError,
 )
-from torch_distribute.fault_tolerance import BackupAndRestore as _Backup
 from torch_distribute.keras import optimizers as optimizers_module
-from torch_distribute.keras.callbacks.backup_and_restore import BackupAndRestore
-from torch_distribute.keras.callbacks.base import Callback, CallbackList
-from torch_distribute.keras.callbacks.progbar_logger import ProgbarLogger
+from torch_distribute.keras import training_loops
+from torch_distribute.keras.callbacks.base import Callback
+from torch_distribute.keras.callbacks.history import History
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
-from torch_distribute.keras.data_adapter import DataHandler, make_handler, unpack
-from torch_distribute.keras.history import History
+from torch_distribute.keras.replica_steps import ReplicaSteps
 from torch_distribute.strategies import owner_of
 
 __all__ = ["Model", "NotCompiledError"]
@@ -51,19 +47,6 @@ __all__ = ["Model", "NotCompiledError"]
 
 class NotCompiledError(ContextError):
     """``fit``/``evaluate`` before ``compile``."""
-
-
-class _FitState:
-    """What a backup must hold besides the objects: the shuffling seed."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed = int(state["seed"])
 
 
 class Model(nn.Module):
@@ -126,7 +109,7 @@ class Model(nn.Module):
         first = next(iter([*self.parameters(), *self.buffers()]), None)
         owner = owner_of(first) if first is not None else None
         strategy = self._strategy
-        if owner is not None and strategy._is_default:
+        if owner is not None and strategy.is_default:
             strategy = self._strategy = owner
         elif owner is not None and owner is not strategy:
             raise ContextError(
@@ -148,7 +131,7 @@ class Model(nn.Module):
 
     def _scope(self) -> Any:
         strategy = self._strategy
-        return contextlib.nullcontext() if strategy._is_default else strategy.scope()
+        return contextlib.nullcontext() if strategy.is_default else strategy.scope()
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(
@@ -184,8 +167,9 @@ class Model(nn.Module):
             )
             self.compiled_metrics = MetricsContainer(metrics, weighted_metrics, self.compiled_loss)
         for metric in self.compiled_metrics.metrics:
-            owner = getattr(metric, "_strategy", None)
-            if owner is not None and owner is not strategy and not (owner._is_default and strategy._is_default):
+            # A metric made under a default strategy has no owner: fine only if the model's is default too.
+            owner = owner_of(metric)
+            if owner is not strategy and not (owner is None and strategy.is_default):
                 raise ContextError(
                     f"Metric {metric.name!r} was created outside the model's strategy scope; create it inside "
                     f"`with strategy.scope():` or pass its name (e.g. 'accuracy') and compile makes it there."
@@ -196,8 +180,7 @@ class Model(nn.Module):
     def _make_optimizer(self, optimizer: Any, strategy: Any) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]
         if isinstance(optimizer, torch.optim.Optimizer):
-            owner = getattr(optimizer, "_td_strategy", None)
-            if not strategy._is_default and owner is not strategy:
+            if not strategy.is_default and owner_of(optimizer) is not strategy:
                 raise UnmirroredStateError(
                     f"The {type(optimizer).__name__} given to compile was created outside "
                     f"{type(strategy).__name__}.scope(): gradients would not be summed across replicas. Create it "
@@ -240,57 +223,11 @@ class Model(nn.Module):
         for metric in self.metrics:
             metric.reset_state()
 
-    def _logs(self) -> dict[str, float]:
-        """Every metric's global value (a reduction across replicas and workers each)."""
-        return {m.name: float(m.result()) for m in self.metrics}
-
     # -- the per-replica steps -----------------------------------------------------------------------
-    def _call(self, x: Any) -> Any:
-        return self(*x) if isinstance(x, (tuple, list)) else self(x)
-
-    def _weights_for(self, y: Any, sample_weight: Any) -> torch.Tensor | None:
-        weight = None if sample_weight is None else torch.as_tensor(sample_weight).reshape(-1).float()
-        if self._class_weight is not None and y is not None and isinstance(y, torch.Tensor):
-            labels = y.argmax(-1) if y.dim() > 1 and y.shape[-1] > 1 else y.reshape(-1)
-            per_class = self._class_weight.to(labels.device)[labels.long()]
-            weight = per_class if weight is None else weight * per_class.to(weight.device)
-        return weight
-
-    def _update_trackers(self, total: torch.Tensor, parts: list[tuple[Any, torch.Tensor]], y: Any, y_pred: Any,
-                         sample_weight: torch.Tensor | None) -> None:
-        self._loss_tracker.update_state(total.detach())
-        for tracker, (_, values) in zip(self._output_loss_trackers, parts, strict=False):
-            tracker.update_state(values.detach())
-        self.compiled_metrics.update_state(y, nest.map_structure(torch.Tensor.detach, y_pred), sample_weight)
-
-    def _train_step(self, batch: Any, global_rows: int) -> None:
-        x, y, sample_weight = unpack(batch)
-        if y is None:
-            raise InvalidArgumentError("fit needs targets: pass y=, or batches of (x, y).")
-        y_pred = self._call(x)
-        weight = self._weights_for(y, sample_weight)
-        total, parts = self.compiled_loss(y, y_pred, weight)
-        # This replica's share of the mean over the global batch: gradients are summed over replicas.
-        loss = total.sum() / global_rows if global_rows else total.sum() * 0.0
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self._update_trackers(total, parts, y, y_pred, weight)
-
-    def _test_step(self, batch: Any) -> None:
-        x, y, sample_weight = unpack(batch)
-        if y is None:
-            raise InvalidArgumentError("evaluate needs targets: pass y=, or batches of (x, y).")
-        with torch.no_grad():
-            y_pred = self._call(x)
-            weight = self._weights_for(y, sample_weight)
-            total, parts = self.compiled_loss(y, y_pred, weight)
-            self._update_trackers(total, parts, y, y_pred, weight)
-
-    def _predict_step(self, batch: Any) -> Any:
-        x, _, _ = unpack(batch)
-        with torch.no_grad():
-            return self._call(x)
+    def _replica_steps(self) -> ReplicaSteps:
+        """The steps ``strategy.run`` distributes, for what ``compile`` (and ``fit``) set."""
+        return ReplicaSteps(self, self.optimizer, self.compiled_loss, self.compiled_metrics,
+                            self._loss_tracker, self._output_loss_trackers, self._class_weight)
 
     # -- fit -----------------------------------------------------------------------------------------
     def fit(
@@ -321,99 +258,19 @@ class Model(nn.Module):
         """
         self._assert_compiled("fit")
         strategy = self._resolve_strategy()
-        _check_int("epochs", epochs, minimum=0)
-        _check_int("initial_epoch", initial_epoch, minimum=0)
-        _check_int("validation_freq", validation_freq, minimum=1)
+        training_loops.check_int("epochs", epochs, minimum=0)
+        training_loops.check_int("initial_epoch", initial_epoch, minimum=0)
+        training_loops.check_int("validation_freq", validation_freq, minimum=1)
         if validation_split and validation_data is None:
-            x, y, sample_weight, validation_data = _split(x, y, sample_weight, validation_split)
-        self._class_weight = _class_weights(class_weight)
-        fit_state = _FitState(self._shared_seed(strategy))
-        train = make_handler(strategy, x, y, sample_weight, batch_size, shuffle, steps_per_epoch, seed=fit_state.seed)
-        val = None
-        if validation_data is not None:
-            vx, vy, vw = _validation_parts(validation_data)
-            val = make_handler(strategy, vx, vy, vw, validation_batch_size or (batch_size if vy is not None else None),
-                               False, validation_steps, what="validation_data")
-        callback_list, history, backup_callback = self._callbacks(
-            callbacks, verbose, {"epochs": epochs, "steps": train.steps, "in_fit": True})
-        self.history = history
-        self.stop_training = False
-        callback_list.on_train_begin()
-        backup = self._open_backup(backup_callback, train, fit_state, history, callback_list)
-        if backup is not None and hasattr(train.source, "seed"):
-            train.source.seed = fit_state.seed
-        epoch_numbers: Iterator[int] | range = backup.epochs(epochs, initial_epoch) if backup is not None else range(initial_epoch, epochs)
-        logs: dict[str, float] = {}
-        for epoch in epoch_numbers:
-            resume_step = backup.step_in_epoch if backup is not None else 0
-            if resume_step == 0:
-                self.reset_metrics()
-            callback_list.on_epoch_begin(epoch)
-            batches = train.epoch(epoch)
-            ran = self._train_epoch(backup.steps(batches) if backup is not None else batches, train,
-                                    callback_list, resume_step)
-            if ran is None:  # a stream that had nothing left
-                _warn_ran_out(epoch)
-                break
-            logs = self._logs()
-            if val is not None and (epoch + 1) % validation_freq == 0:
-                logs.update({f"val_{k}": v for k, v in self._evaluate_loop(val, callback_list, epoch).items()})
-            callback_list.on_epoch_end(epoch, logs)
-            if train.exhausted:
-                _warn_ran_out(epoch)
-                self.stop_training = True
-            if self.stop_training:
-                break
-        if backup is not None:
-            backup.finish()
-        callback_list.on_train_end(logs)
-        return history
-
-    def _train_epoch(self, batches: Any, handler: DataHandler, callback_list: CallbackList, first_step: int) -> int | None:
-        """Train on one epoch's batches; the steps run, ``None`` if there were none to run."""
-        strategy = self._strategy
-        per_execution = self.steps_per_execution
-        wants_logs = callback_list.wants_batch_logs("train")
-        step = first_step
-        pending = 0
-        self.train()
-        try:
-            for batch in batches:
-                if pending == 0:
-                    callback_list.on_train_batch_begin(step)
-                strategy.run(self._train_step, args=(batch, handler.global_rows(batch)))
-                step += 1
-                pending += 1
-                if pending == per_execution:
-                    pending = 0
-                    callback_list.on_train_batch_end(step - 1, self._logs() if wants_logs else {})
-                    if self.stop_training:
-                        break
-        except DatasetError:
-            if step == first_step and handler.exhausted:
-                return None
-            raise
-        if pending:
-            callback_list.on_train_batch_end(step - 1, self._logs() if wants_logs else {})
-        return step - first_step
+            x, y, sample_weight, validation_data = training_loops.split_validation(x, y, sample_weight, validation_split)
+        self._class_weight = training_loops.class_weights(class_weight)
+        return training_loops.fit_loop(
+            self, strategy, self._replica_steps(), x, y, sample_weight, batch_size=batch_size, epochs=epochs,
+            verbose=verbose, callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
+            initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
 
     # -- evaluate --------------------------------------------------------------------------------------
-    def _evaluate_loop(self, handler: DataHandler, callback_list: CallbackList, epoch: int = 0) -> dict[str, float]:
-        strategy = self._strategy
-        wants_logs = callback_list.wants_batch_logs("test")
-        self.reset_metrics()
-        self.eval()
-        callback_list.on_test_begin()
-        step = 0
-        for batch in handler.epoch(epoch):
-            callback_list.on_test_batch_begin(step)
-            strategy.run(self._test_step, args=(batch,))
-            callback_list.on_test_batch_end(step, self._logs() if wants_logs else {})
-            step += 1
-        logs = self._logs()
-        callback_list.on_test_end(logs)
-        return logs
-
     def evaluate(
         self,
         x: Any = None,
@@ -435,10 +292,9 @@ class Model(nn.Module):
         """
         self._assert_compiled("evaluate")
         strategy = self._resolve_strategy()
-        handler = make_handler(strategy, x, y, sample_weight, batch_size, False, steps)
-        callback_list, _, _ = self._callbacks(callbacks, verbose, {"steps": handler.steps, "in_fit": False},
-                                              history=False)
-        logs = self._evaluate_loop(handler, callback_list)
+        logs = training_loops.evaluate_loop(self, strategy, self._replica_steps(), x, y, sample_weight,
+                                            batch_size=batch_size, verbose=verbose, num_steps=steps,
+                                            callbacks=callbacks)
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
@@ -459,26 +315,13 @@ class Model(nn.Module):
         worker (ragged last batches included), so every worker gets the whole result.
         """
         strategy = self._resolve_strategy()
-        handler = make_handler(strategy, x, None, None, batch_size, False, steps, what="x")
-        callback_list, _, _ = self._callbacks(callbacks, verbose, {"steps": handler.steps}, history=False)
-        self.eval()
-        callback_list.on_predict_begin()
-        pieces: list[Any] = []
-        for step, batch in enumerate(handler.epoch(0)):
-            callback_list.on_predict_batch_begin(step)
-            outputs = strategy.run(self._predict_step, args=(batch,))
-            gathered = nest.map_structure(lambda v: v.cpu(), strategy.gather(outputs, axis=0))
-            pieces.append(gathered)
-            callback_list.on_predict_batch_end(step, {"outputs": gathered})
-        callback_list.on_predict_end()
-        if not pieces:
-            raise DatasetError("predict got no batches.")
-        leaves = [nest.flatten(p)[0] for p in pieces]
-        spec = nest.flatten(pieces[0])[1]
-        return nest.unflatten([torch.cat([lv[i] for lv in leaves]) for i in range(len(leaves[0]))], spec)
+        return training_loops.predict_loop(self, strategy, self._replica_steps(), x, batch_size=batch_size,
+                                           verbose=verbose, num_steps=steps, callbacks=callbacks)
 
     # -- weights -----------------------------------------------------------------------------------------
-    def _weights_module(self) -> nn.Module:
+    @property
+    def weights_module(self) -> nn.Module:
+        """The module whose ``state_dict`` ``save_weights`` writes: ``module``, or the model itself."""
         return self.module if self.module is not None else self
 
     def save_weights(self, filepath: str, include_optimizer: bool = False) -> str:
@@ -486,19 +329,19 @@ class Model(nn.Module):
 
         Call it on every worker; only the chief writes.
         """
-        objects: dict[str, Any] = {"model": self._weights_module()}
+        objects: dict[str, Any] = {"model": self.weights_module}
         if include_optimizer and self.optimizer is not None:
             objects["optimizer"] = self.optimizer
         return Checkpoint(**objects).write(filepath)
 
     def load_weights(self, filepath: str) -> None:
         """Load weights written by ``save_weights`` or ``ModelCheckpoint`` (any strategy wrote them)."""
-        objects: dict[str, Any] = {"model": self._weights_module()}
+        objects: dict[str, Any] = {"model": self.weights_module}
         Checkpoint(**objects).read(filepath)
 
     def summary(self, print_fn: Callable[[str], Any] = print) -> None:
         """Print each top-level layer with its parameter count, and the totals."""
-        module = self._weights_module()
+        module = self.weights_module
         rows = [(name or "(model)", type(child).__name__, sum(p.numel() for p in child.parameters()))
                 for name, child in (module.named_children() if list(module.children()) else [("", module)])]
         total = sum(p.numel() for p in module.parameters())
@@ -511,104 +354,3 @@ class Model(nn.Module):
                   f"Non-trainable params: {total - trainable:,}"]
         for line in lines:
             print_fn(line)
-
-    # -- helpers -------------------------------------------------------------------------------------------
-    def _callbacks(self, callbacks: Sequence[Callback] | None, verbose: str | int, params: dict[str, Any],
-                   history: bool = True) -> tuple[CallbackList, History, BackupAndRestore | None]:
-        callbacks = list(callbacks or [])
-        for callback in callbacks:
-            if not isinstance(callback, Callback):
-                raise InvalidArgumentError(
-                    f"callbacks must be td.keras.callbacks.Callback objects, got {type(callback).__name__}.")
-        if verbose == "auto":
-            verbose = 1
-        if verbose not in (0, 1, 2):
-            raise InvalidArgumentError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}.")
-        backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
-        if len(backups) > 1:
-            raise InvalidArgumentError("Give fit at most one BackupAndRestore callback.")
-        record = History()
-        ordered: list[Callback] = []
-        if verbose and not any(isinstance(c, ProgbarLogger) for c in callbacks):
-            ordered.append(ProgbarLogger(verbose))
-        ordered += callbacks
-        if history:
-            ordered.append(record)
-        return CallbackList(ordered, self, {"verbose": verbose, **params}), record, (backups[0] if backups else None)
-
-    def _open_backup(self, callback: BackupAndRestore | None, handler: DataHandler, fit_state: _FitState,
-                     history: History, callback_list: CallbackList) -> _Backup | None:
-        if callback is None:
-            return None
-        metrics = Checkpoint(**{f"metric_{i}": m for i, m in enumerate(self.metrics)})
-        stateful = [c for c in callback_list.callbacks if c is not history and callable(getattr(c, "state_dict", None))]
-        states = Checkpoint(**{f"callback_{i}": c for i, c in enumerate(stateful)})
-        checkpoint = Checkpoint(model=self, optimizer=self.optimizer, metrics=metrics, history=history,
-                                callbacks=states, fit=fit_state)
-        backup = _Backup(checkpoint, callback.backup_dir, save_freq=callback.save_freq,
-                         delete_checkpoint=callback.delete_checkpoint, generators=handler.generators(),
-                         strategy=self._strategy)
-        return backup
-
-    @staticmethod
-    def _shared_seed(strategy: Any) -> int:
-        """A shuffling seed from the torch RNG, the chief's on every worker."""
-        local = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
-        if strategy.num_replicas_in_sync == strategy.extended.num_local_replicas:
-            return int(local[0])
-        return int(strategy.gather(local, axis=0)[0])
-
-
-# -- argument helpers ------------------------------------------------------------------------------------
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}.")
-
-
-def _warn_ran_out(epoch: int) -> None:
-    warnings.warn(
-        f"Your input ran out of data in epoch {epoch + 1}; interrupting training. Make sure the data can "
-        "give at least steps_per_epoch * epochs batches (a generator is used up after one pass: pass a "
-        "list, a DataLoader or tensors instead).",
-        stacklevel=3,
-    )
-
-
-def _class_weights(class_weight: dict[int, float] | None) -> torch.Tensor | None:
-    if class_weight is None:
-        return None
-    if not isinstance(class_weight, dict) or not class_weight:
-        raise InvalidArgumentError(f"class_weight must be a dict {{class_id: weight}}, got {class_weight!r}.")
-    table = torch.ones(max(int(k) for k in class_weight) + 1)
-    for key, value in class_weight.items():
-        table[int(key)] = float(value)
-    return table
-
-
-def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
-        return (*validation_data, None)[:3] if len(validation_data) == 2 else validation_data
-    return validation_data, None, None
-
-
-def _split(x: Any, y: Any, sample_weight: Any, fraction: float) -> tuple[Any, Any, Any, Any]:
-    if not 0.0 < fraction < 1.0:
-        raise InvalidArgumentError(f"validation_split must be in (0, 1), got {fraction!r}.")
-    leaves = nest.leaves(x)
-    if not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
-        raise InvalidArgumentError(
-            "validation_split works with tensors or arrays only; with a DataLoader or an iterable pass "
-            "validation_data=... instead."
-        )
-    rows = int(leaves[0].shape[0])
-    cut = int(rows * (1.0 - fraction))
-    if cut in (0, rows):
-        raise InvalidArgumentError(f"validation_split={fraction} leaves no rows to train or to validate on ({rows} rows).")
-
-    def head(v: Any) -> Any:
-        return None if v is None else nest.map_structure(lambda t: t[:cut], v)
-
-    def tail(v: Any) -> Any:
-        return None if v is None else nest.map_structure(lambda t: t[cut:], v)
-
-    return head(x), head(y), head(sample_weight), (tail(x), tail(y), tail(sample_weight))

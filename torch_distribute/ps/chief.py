@@ -167,7 +167,7 @@ class ChiefRegistry:
                 "strategy.scope(); create the optimizer inside `with strategy.scope():` so its "
                 "updates run on the parameter servers."
             )
-        reference = getattr(type(obj), "_td_reference", None)  # RemoteValue, PerWorkerValues, ...
+        reference = getattr(type(obj), "td_reference", None)  # RemoteValue, PerWorkerValues, ...
         return reference(obj) if reference is not None and not isinstance(obj, type) else None
 
     def _blob_reference(self, obj: Any) -> pickling.Reference | None:
@@ -251,7 +251,6 @@ class ChiefRegistry:
         pairs = self._grouped_specs(optimizer)
         client.set_optimizer([s for s, _ in pairs], type(optimizer), [hyper[g] for _, g in pairs], self.timeout)
         self._shipped_hyper[id(optimizer)] = hyper
-        _install_optimizer_methods(optimizer, self)
 
     def sync_hyperparameters(self) -> None:
         """Send learning-rate (or other hyperparameter) changes made on the coordinator."""
@@ -263,22 +262,47 @@ class ChiefRegistry:
                     client.set_hyperparameters([s for s, _ in pairs], [hyper[g] for _, g in pairs], self.timeout)
                     self._shipped_hyper[id(optimizer)] = hyper
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        self.materialize()
-        state = type(optimizer).state_dict(optimizer)
-        pairs = self._grouped_specs(optimizer)
-        states = client.optimizer_states([s for s, _ in pairs], self.timeout)
-        state["state"] = {index: s for index, s in enumerate(states) if s}
-        return state
+    def manages(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s state lives on the servers (shipped when the scope was left)."""
+        return any(o is optimizer for o in self._optimizers)
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        self.materialize()
-        type(optimizer).load_state_dict(optimizer, {**state_dict, "state": {}})
-        self.sync_hyperparameters()
-        pairs = self._grouped_specs(optimizer)
-        saved = state_dict.get("state", {})
-        states = [saved.get(index, saved.get(str(index), {})) for index in range(len(pairs))]
-        client.load_optimizer_states([s for s, _ in pairs], states, self.timeout)
+    def attach_optimizer_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.state_dict()``/``load_state_dict()`` on the coordinator read and
+        write the servers' per-shard state, with torch's own optimizer hooks."""
+        loading: dict[str, Any] = {}
+
+        def before_save(opt: torch.optim.Optimizer) -> None:
+            if self.manages(opt):
+                self.materialize()
+
+        def after_save(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any] | None:
+            if not self.manages(opt):
+                return None
+            pairs = self._grouped_specs(opt)
+            states = client.optimizer_states([s for s, _ in pairs], self.timeout)
+            state["state"] = {index: s for index, s in enumerate(states) if s}
+            return state
+
+        def before_load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+            if not self.manages(opt):
+                return None
+            self.materialize()
+            loading["saved"] = state_dict.get("state", {})
+            return {**state_dict, "state": {}}
+
+        def after_load(opt: torch.optim.Optimizer) -> None:
+            saved = loading.pop("saved", {})
+            if not self.manages(opt):
+                return
+            self.sync_hyperparameters()
+            pairs = self._grouped_specs(opt)
+            states = [saved.get(index, saved.get(str(index), {})) for index in range(len(pairs))]
+            client.load_optimizer_states([s for s, _ in pairs], states, self.timeout)
+
+        optimizer.register_state_dict_pre_hook(before_save)
+        optimizer.register_state_dict_post_hook(after_save)
+        optimizer.register_load_state_dict_pre_hook(before_load)
+        optimizer.register_load_state_dict_post_hook(after_load)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` called on the coordinator: push its local gradients."""
@@ -290,13 +314,6 @@ class ChiefRegistry:
         self.mark_stale()
 
 
-def _install_optimizer_methods(optimizer: torch.optim.Optimizer, registry: ChiefRegistry) -> None:
-    """The coordinator's optimizer object: its state lives on the servers."""
-    optimizer.step = lambda closure=None: registry.step(optimizer)  # type: ignore[method-assign]
-    optimizer.state_dict = lambda: registry.optimizer_state_dict(optimizer)  # type: ignore[method-assign]
-    optimizer.load_state_dict = lambda sd: registry.load_optimizer_state_dict(optimizer, sd)  # type: ignore[method-assign]
-
-
 _registry: ChiefRegistry | None = None
 
 
@@ -304,6 +321,11 @@ def install(registry: ChiefRegistry | None) -> None:
     global _registry
     _registry = registry
     hooks.set_refresher(registry.refresh if registry is not None else None)
+
+
+def current_registry() -> ChiefRegistry | None:
+    """This process's registry when it is the coordinator of a ParameterServerStrategy."""
+    return _registry
 
 
 def describe(key: tuple[Any, ...], worker_index: int) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ pickles the hook as is (it holds no state); what it does depends on the process 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +33,14 @@ class RefreshHook:
         return (RefreshHook, ())
 
 
+_hooked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def attach(module: Any) -> None:
     """Add the hooks once to ``module``."""
-    if getattr(module, "_td_ps_hooked", False):
+    if module in _hooked:
         return
     hook = RefreshHook()
     module.register_forward_pre_hook(hook)
     module.register_state_dict_pre_hook(hook)
-    module._td_ps_hooked = True
+    _hooked.add(module)

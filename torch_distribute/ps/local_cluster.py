@@ -6,7 +6,8 @@ Each task (``chief``, ``worker`` × N, ``ps`` × M) runs the same script with it
 ``TF_CONFIG`` on loopback; output lines are prefixed with the task. The job ends when the
 chief exits: the other tasks are stopped (SIGTERM, then SIGKILL, to each process group) and
 the chief's exit code is returned. ``restart_workers=True`` (``--restart-workers``) starts a
-worker again when it dies, as a cluster manager would; it rejoins the running job.
+worker again when it dies, as a cluster manager would; it rejoins the running job. The
+processes are run by :mod:`torch_distribute.cluster.supervisor` (``run_until_exit``).
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from torch_distribute.cluster.launcher import free_ports
+from torch_distribute.cluster.launch_spec import free_ports
+from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
 
 __all__ = ["cluster_config", "main", "run_local_cluster"]
+
+#: Seconds between SIGTERM and SIGKILL when the job ends.
+GRACE_PERIOD_S = 5.0
 
 
 def cluster_config(num_workers: int, num_ps: int) -> dict[str, list[str]]:
@@ -32,33 +33,6 @@ def cluster_config(num_workers: int, num_ps: int) -> dict[str, list[str]]:
     ports = free_ports(1 + num_workers + num_ps)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     return {"chief": addresses[:1], "worker": addresses[1:1 + num_workers], "ps": addresses[1 + num_workers:]}
-
-
-def _forward(pipe: IO[bytes], prefix: str, stream: IO[str], lock: threading.Lock) -> None:
-    for line in iter(pipe.readline, b""):
-        with lock:
-            try:
-                stream.write(prefix + line.decode("utf-8", errors="replace"))
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    pipe.close()
-
-
-class _Task:
-    def __init__(self, job: str, index: int, command: list[str], env: dict[str, str],
-                 stream: IO[str], lock: threading.Lock):
-        self.job, self.index = job, index
-        self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-        for pipe in (self.proc.stdout, self.proc.stderr):  # apart: lines never interleave
-            threading.Thread(target=_forward, args=(pipe, f"[{job}:{index}] ", stream, lock), daemon=True).start()
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def run_local_cluster(
@@ -73,51 +47,27 @@ def run_local_cluster(
 ) -> int:
     """Start every task of ``argv`` (``["train.py", ...]``); return the chief's exit code.
 
+    Both stdout and stderr of every task go to ``stdout`` (default ``sys.stdout``).
     ``timeout`` (seconds) stops everything and returns 124 when it passes.
     """
     stream = stdout if stdout is not None else sys.stdout
-    lock = threading.Lock()
     cluster = cluster_config(num_workers, num_ps)
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     base.setdefault("OMP_NUM_THREADS", "1")
     command = [sys.executable, "-u", *argv]
 
-    def start(job: str, index: int) -> _Task:
-        env = {**base, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})}
-        return _Task(job, index, command, env, stream, lock)
+    def task(job: str, index: int) -> TaskSpec:
+        config = {"cluster": cluster, "task": {"type": job, "index": index}}
+        return TaskSpec(name=f"{job}:{index}", prefix=f"[{job}:{index}] ", command=command,
+                        env={**base, "TF_CONFIG": json.dumps(config)},
+                        restartable=restart_workers and job == "worker")
 
-    tasks: list[_Task] = []
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        chief = start("chief", 0)
-        tasks.append(chief)
-        tasks += [start("ps", i) for i in range(num_ps)]
-        tasks += [start("worker", i) for i in range(num_workers)]
-        while chief.proc.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return 124
-            if restart_workers:
-                for k, task in enumerate(tasks):
-                    if task.job == "worker" and task.proc.poll() not in (None, 0):
-                        with lock:
-                            stream.write(f"[local_cluster] worker:{task.index} exited "
-                                         f"({task.proc.returncode}); restarting it\n")
-                        tasks[k] = start("worker", task.index)
-            time.sleep(0.1)
-        return chief.proc.returncode
-    finally:
-        for task in tasks:
-            if task.proc.poll() is None:
-                task.signal(signal.SIGTERM)
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end and any(t.proc.poll() is None for t in tasks):
-            time.sleep(0.05)
-        for task in tasks:
-            task.signal(signal.SIGKILL)
-            try:
-                task.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
+    tasks = [task("chief", 0)]
+    tasks += [task("ps", i) for i in range(num_ps)]
+    tasks += [task("worker", i) for i in range(num_workers)]
+    supervisor = ProcessSupervisor(stdout=stream, stderr=stream, grace_period=GRACE_PERIOD_S,
+                                   log_prefix="[local_cluster] ", log_stream=stream)
+    return supervisor.run_until_exit(tasks, leader=0, timeout=timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,12 +10,11 @@ worker never waits for another one.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import pickle
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,25 +65,14 @@ class WorkerOptimizer:
                     tensor.grad.zero_()
 
 
-class WorkerStrategy:
-    """What the coordinator's strategy is inside a scheduled function: one local replica."""
+_strategy_factory: Callable[[int], Any] | None = None
 
-    num_replicas_in_sync = 1
 
-    def run(self, fn: Any, args: tuple = (), kwargs: dict | None = None, options: Any = None) -> Any:
-        return fn(*args, **(kwargs or {}))
-
-    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
-        if axis is None:
-            return value
-        return value.sum(dim=axis) if str(getattr(reduce_op, "value", reduce_op)).upper() == "SUM" else value.mean(dim=axis)
-
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        return (value,)
-
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[WorkerStrategy]:
-        yield self
+def set_strategy_factory(factory: Callable[[int], Any]) -> None:
+    """Called once by the strategies layer: ``factory(worker_index)`` makes the strategy a
+    scheduled function sees on this worker (a real ``Strategy``, one local replica)."""
+    global _strategy_factory
+    _strategy_factory = factory
 
 
 class WorkerRuntime:
@@ -96,6 +84,7 @@ class WorkerRuntime:
         self._locals: dict[int, torch.Tensor] = {}
         self._used: dict[int, VarSpec] = {}
         self._buffer_snapshots: dict[int, tuple[torch.Tensor, int]] = {}
+        self._strategy: Any = None
         self.stale = False
         self._lock = threading.Lock()
 
@@ -115,7 +104,11 @@ class WorkerRuntime:
         if kind == "var":
             return self.local(ref[2])
         if kind == "strategy":
-            return WorkerStrategy()
+            if self._strategy is None:
+                if _strategy_factory is None:  # pragma: no cover - import-order bug guard
+                    raise RuntimeError("torch_distribute.strategies was not imported")
+                self._strategy = _strategy_factory(self.worker_index)
+            return self._strategy
         key = (kind, ref[1])
         if key not in self._objects:
             self._objects[key] = self._build(key)

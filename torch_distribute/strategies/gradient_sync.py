@@ -24,7 +24,6 @@ import threading
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
@@ -115,7 +114,7 @@ class GradientSynchronizer:
                     view.zero_()
                 flags.append(1.0 if grads else 0.0)
             bucket.flat[bucket.flag_offset:].copy_(torch.tensor(flags, dtype=bucket.flat.dtype))
-        self._works.append(dist.all_reduce(bucket.flat, group=self._group.gradient_group, async_op=True))
+        self._works.append(self._group.all_reduce_async(bucket.flat))
 
     # -- the optimizer step ------------------------------------------------------------------
     def finish(self) -> None:

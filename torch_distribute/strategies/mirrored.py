@@ -9,7 +9,6 @@ all copies are bitwise equal.
 
 from __future__ import annotations
 
-import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,24 +20,26 @@ from torch_distribute.collectives import CrossDeviceOps
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all, local_devices
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy, StrategyExtended
 from torch_distribute.strategies.replica_threads import ReplicaThreads, outside_replica_mode
+from torch_distribute.strategies.replicated import ReplicatedExtended
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode
 from torch_distribute.strategies.single_replica import SingleReplicaExtended
 
 
-class MirroredReplicaContext(context.ReplicaContext):
+class MirroredReplicaContext(ReplicaContext):
     """Replica context whose ``merge_call`` meets the other replica threads."""
 
     def __init__(self, strategy: Strategy, replica_id: int, threads: ReplicaThreads):
         super().__init__(strategy, replica_id)
         self._threads = threads
 
-    def _merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def merge_call_now(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return self._threads.merge_call(self.local_replica_id, merge_fn, args, kwargs)
 
 
-class MirroredExtended(StrategyExtended):
+class MirroredExtended(ReplicatedExtended):
     def __init__(
         self,
         strategy: Strategy,
@@ -51,18 +52,19 @@ class MirroredExtended(StrategyExtended):
 
     def _replica_threads(self) -> ReplicaThreads:
         if self._threads is None:
-            cpu_replicas = sum(1 for d in self._torch_devices if d.type == "cpu")
+            devices = list(self.replica_devices)
+            cpu_replicas = sum(1 for d in devices if d.type == "cpu")
             intra_op = max(1, torch.get_num_threads() // cpu_replicas) if cpu_replicas > 1 else None
-            self._threads = ReplicaThreads(self._torch_devices, intra_op)
+            self._threads = ReplicaThreads(devices, intra_op)
             # The threads hold no reference to the strategy; stop them when it goes away.
             weakref.finalize(self._strategy, self._threads.close)
         return self._threads
 
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         threads = self._replica_threads()
         self._state.sync_stale()
         replica_contexts = [
-            MirroredReplicaContext(self._strategy, self._replica_id_offset + k, threads)
+            MirroredReplicaContext(self._strategy, self.replica_id_offset + k, threads)
             for k in range(self.num_local_replicas)
         ]
         modes = [ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)]
@@ -71,37 +73,35 @@ class MirroredExtended(StrategyExtended):
         return result
 
     # -- optimizers ------------------------------------------------------------------------
-    def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.num_replicas_in_sync == 1 and self._state.replica0_is_primary:
-            return
-        original_step = type(optimizer).step
-        original_zero_grad = type(optimizer).zero_grad
-        extended = self
+    @property
+    def intercepts_optimizer_steps(self) -> bool:
+        return not (self.num_replicas_in_sync == 1 and self._state.replica0_is_primary)
 
-        def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-            if closure is not None:
-                raise InvalidArgumentError(
-                    "optimizer.step(closure) is not supported with several replicas: the closure "
-                    "would re-evaluate the loss on one replica only. Use an optimizer without "
-                    "a closure (not LBFGS) under MirroredStrategy."
-                )
-            replica = context.get_replica_context()
-            if replica is not None and replica.strategy is extended._strategy:
-                return replica.merge_call(lambda _s: extended._apply_optimizer(self, original_step))
-            return extended._apply_optimizer(self, original_step)
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], Any] | None
+    ) -> Any:
+        if closure is not None:
+            raise InvalidArgumentError(
+                "optimizer.step(closure) is not supported with several replicas: the closure "
+                "would re-evaluate the loss on one replica only. Use an optimizer without "
+                "a closure (not LBFGS) under MirroredStrategy."
+            )
+        replica = context.get_replica_context()
+        if replica is not None and replica.strategy is self._strategy:
+            return replica.merge_call(lambda _s: self._apply_optimizer(optimizer, step))
+        return self._apply_optimizer(optimizer, step)
 
-        def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            replica = context.get_replica_context()
-            if replica is not None and replica.strategy is extended._strategy:
-                extended._zero_replica_grads(self, replica.local_replica_id, set_to_none)
-            else:
-                original_zero_grad(self, set_to_none)
-                first_copy = 1 if extended._state.replica0_is_primary else 0
-                for k in range(first_copy, extended.num_local_replicas):
-                    extended._zero_replica_grads(self, k, set_to_none)
-
-        optimizer.step = types.MethodType(step, optimizer)
-        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+    def optimizer_zero_grad(
+        self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., Any], set_to_none: bool
+    ) -> None:
+        replica = context.get_replica_context()
+        if replica is not None and replica.strategy is self._strategy:
+            self._zero_replica_grads(optimizer, replica.local_replica_id, set_to_none)
+        else:
+            zero_grad(set_to_none)
+            first_copy = 1 if self._state.replica0_is_primary else 0
+            for k in range(first_copy, self.num_local_replicas):
+                self._zero_replica_grads(optimizer, k, set_to_none)
 
     def _optimizer_records(self, optimizer: torch.optim.Optimizer) -> list[Any]:
         records = []
@@ -117,11 +117,11 @@ class MirroredExtended(StrategyExtended):
                 records.append(record)
         return records
 
-    def _apply_optimizer(self, optimizer: torch.optim.Optimizer, original_step: Callable[..., Any]) -> Any:
+    def _apply_optimizer(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Any:
         """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
         records = self._optimizer_records(optimizer)
         self._sum_gradients(optimizer, records)
-        result = original_step(optimizer)
+        result = step()
         self._after_step(records)
         if self.num_local_replicas > 1 or not self._state.replica0_is_primary:
             self._state.broadcast([r for r in records if r.is_stale()])
@@ -134,7 +134,7 @@ class MirroredExtended(StrategyExtended):
         ]
         if not with_grad:
             return
-        if set(self._torch_devices) == {self._primary_device}:
+        if set(self.replica_devices) == {self.primary_device}:
             self._sum_in_place(with_grad)
             return
         per_replica = [
@@ -142,7 +142,7 @@ class MirroredExtended(StrategyExtended):
              for r in with_grad]
             for k in range(self.num_local_replicas)
         ]
-        summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self._primary_device)
+        summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self.primary_device)
         replica0_is_primary = self._state.replica0_is_primary
         for record, grad in zip(with_grad, summed, strict=True):
             primary = record.primary

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from torch_distribute import context
 from torch_distribute.cluster import ClusterResolver, resolve_cluster
 from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all, local_devices
 from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
@@ -61,10 +61,17 @@ class MultiWorkerMirroredExtended(MirroredExtended):
                 )
             self._state.worker_broadcast = self._broadcast_from_chief
             self._state.worker_mean = self._mean_over_workers
-        self._replica_id_offset = self._worker_index * len(devices)
-        self._single_replica_context = context.ReplicaContext(strategy, self._replica_id_offset)
+        self._single_replica_context = ReplicaContext(strategy, self.replica_id_offset)
 
     # -- topology --------------------------------------------------------------------------
+    @property
+    def num_workers_in_sync(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
     @property
     def is_chief(self) -> bool:
         return self._is_chief
@@ -74,54 +81,49 @@ class MultiWorkerMirroredExtended(MirroredExtended):
         return self._group
 
     # -- running -----------------------------------------------------------------------------
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self.num_local_replicas > 1:
-            result = super()._call_for_each_replica(fn, args, kwargs)
+            result = super().call_for_each_replica(fn, args, kwargs)
         else:
             # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
             self._state.sync_stale()
-            result = call_on_this_thread(self._single_replica_context, self._primary_device, fn, args, kwargs)
+            result = call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
             self._state.aggregate_buffers()
         for synchronizer in self._synchronizers.values():
             synchronizer.attach_hooks()
         return result
 
     # -- across workers -----------------------------------------------------------------------
-    def _reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._group is None:
             return tensor
         return self._group.all_reduce_(tensor.detach().clone(), what="reduce")
 
-    def _gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    def gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self._group is None:
             return tensor
         return self._group.all_gather_along(tensor.detach(), axis, what="gather")
 
-    def _any_worker_has_data(self, local_has_data: bool) -> bool:
+    def any_worker_has_data(self, local_has_data: bool) -> bool:
         if self._group is None:
             return local_has_data
         flag = torch.tensor([1 if local_has_data else 0], dtype=torch.int64)
         return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
 
+    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
+        if self._group is None:
+            return [obj]
+        return self._group.all_gather_objects(obj, what=what)
+
+    @property
+    def coordination_store(self) -> Any | None:
+        return self._group.store if self._group is not None else None
+
     def _broadcast_from_chief(self, tensors: list[torch.Tensor]) -> None:
-        self._over_workers_in_place(
-            tensors, lambda flat: self._group.broadcast_(flat, src=0, what="initial broadcast from the chief"))
+        self._group.broadcast_packed_(tensors, src=0, what="initial broadcast from the chief")
 
     def _mean_over_workers(self, tensors: list[torch.Tensor]) -> None:
-        self._over_workers_in_place(
-            tensors, lambda flat: self._group.all_reduce_(flat, what="buffer average").div_(self._num_workers))
-
-    def _over_workers_in_place(self, tensors: list[torch.Tensor], collective: Callable[[torch.Tensor], Any]) -> None:
-        """Pack ``tensors`` (one flat buffer per dtype and device), run ``collective`` on each
-        buffer in place, and write the results back into the tensors."""
-        with torch.no_grad():
-            for group in _by_dtype_and_device(tensors):
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                collective(flat)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        self._group.average_packed_(tensors, what="buffer average")
 
     # -- gradients -----------------------------------------------------------------------------
     def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
@@ -190,10 +192,3 @@ def _default_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
         local_rank = getattr(resolver, "local_rank", None) or int(os.environ.get("LOCAL_RANK", "0"))
         return (devices[local_rank % len(devices)],)
     return devices
-
-
-def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())

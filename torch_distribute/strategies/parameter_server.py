@@ -29,21 +29,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 
-from torch_distribute import context
 from torch_distribute.cluster import ClusterResolver, resolve_cluster
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.errors import ClusterConfigError, ParameterServerUnavailableError
-from torch_distribute.ps import chief, client, hooks, server, transport
-from torch_distribute.strategies import capture
+from torch_distribute.ps import chief, client, hooks, server, transport, worker
+from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.parameter_server_worker import ParameterServerWorkerStrategy
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 __all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended"]
@@ -65,8 +63,10 @@ class ParameterServerStrategyExtended(StrategyExtended):
         self.rpc_timeout = rpc_timeout
         self.startup_timeout = startup_timeout
         self.registry = chief.ChiefRegistry(self.num_ps, variable_partitioner, rpc_timeout)
-        self._replica_context = context.ReplicaContext(strategy, 0)
+        self._replica_context = ReplicaContext(strategy, 0)
         self._closed = False
+        #: The ``ClusterCoordinator`` of this strategy (one per strategy), once made.
+        self.cluster_coordinator: Any = None
         self._on_shutdown: list[Callable[[], None]] = []
         address = server.chief_address(resolver)
         self.membership = transport.join("chief", 0, address, rpc_timeout=rpc_timeout,
@@ -97,15 +97,39 @@ class ParameterServerStrategyExtended(StrategyExtended):
         return tuple(client.ps_name(i) for i in range(self.num_ps))
 
     # -- capture -------------------------------------------------------------------------
-    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
-        super()._capture_parameter(tensor, is_buffer, norm_layer)
+    def capture_parameter(self, module: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool) -> None:
         self.registry.capture(tensor, is_buffer)
+        # The coordinator's module reads the servers' values before forward/state_dict.
+        hooks.attach(module)
         return None
 
-    def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.registry.capture_optimizer(optimizer)
+        self.registry.attach_optimizer_hooks(optimizer)
 
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    @property
+    def intercepts_optimizer_steps(self) -> bool:
+        return True
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], Any] | None
+    ) -> Any:
+        if not self.registry.manages(optimizer):  # the scope is not left yet: a local step
+            return step(closure) if closure is not None else step()
+        self.registry.step(optimizer)
+        return None
+
+    def scheduler_step(self, scheduler: Any, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return step(*args, **kwargs)  # the coordinator runs one replica
+
+    def finish_scope(self) -> None:
+        self.registry.materialize()
+
+    def owns(self, obj: Any) -> bool:
+        tensors = [*obj.parameters(), *obj.buffers()][:1] if isinstance(obj, nn.Module) else [obj]
+        return any(isinstance(t, torch.Tensor) and self.registry.owns(t) for t in tensors)
+
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # On the coordinator (e.g. evaluation): one replica, in this thread, current values.
         self.registry.refresh()
         return call_on_this_thread(self._replica_context, torch.device("cpu"), fn, args, kwargs)
@@ -174,10 +198,8 @@ class ParameterServerStrategy(Strategy):
         _validate(resolver)
         self._cluster_resolver = resolver
         self._variable_partitioner = variable_partitioner
-        _install_module_hooks()
         super().__init__(ParameterServerStrategyExtended(
             self, resolver, variable_partitioner, rpc_timeout, startup_timeout))
-        self._cluster_coordinator: Any = None
 
     @property
     def extended(self) -> ParameterServerStrategyExtended:
@@ -191,15 +213,7 @@ class ParameterServerStrategy(Strategy):
     def variable_partitioner(self) -> Callable[..., Any] | None:
         return self._variable_partitioner
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[ParameterServerStrategy]:
-        """Parameters, buffers and optimizers made inside live on the parameter servers."""
-        with super().scope():
-            yield self
-        if not any(f.strategy is self for f in context.current_frames()):
-            self.extended.registry.materialize()
-
-    def _td_reference(self) -> tuple[str]:
+    def td_reference(self) -> tuple[str]:
         return ("strategy",)
 
     def __repr__(self) -> str:
@@ -233,20 +247,4 @@ def _validate(resolver: ClusterResolver) -> None:
         )
 
 
-_hooks_lock = threading.Lock()
-_hooks_installed = False
-
-
-def _attach(module: nn.Module, name: str, value: Any) -> None:
-    strategy = capture._scope_strategy()
-    if isinstance(strategy, ParameterServerStrategy) and value is not None:
-        hooks.attach(module)
-
-
-def _install_module_hooks() -> None:
-    global _hooks_installed
-    with _hooks_lock:
-        if not _hooks_installed:
-            nn_module.register_module_parameter_registration_hook(_attach)
-            nn_module.register_module_buffer_registration_hook(_attach)
-            _hooks_installed = True
+worker.set_strategy_factory(ParameterServerWorkerStrategy)

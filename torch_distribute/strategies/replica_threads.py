@@ -114,7 +114,7 @@ class ReplicaThreads:
 
     # -- called by the strategy -----------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: Any,
-            replica_contexts: list[context.ReplicaContext], modes: list[TorchFunctionMode]) -> Any:
+            replica_contexts: list[Any], modes: list[TorchFunctionMode]) -> Any:
         """Run ``fn`` on every replica; ``replica_contexts[k]``/``modes[k]`` are replica k's."""
         if not self._run_lock.acquire(blocking=False):
             raise ContextError(

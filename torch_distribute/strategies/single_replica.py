@@ -11,28 +11,39 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from torch_distribute import context
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.replica_context import ReplicaContext
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.replicated import ReplicatedExtended
 from torch_distribute.values import select_replica
 
 
-class SingleReplicaExtended(StrategyExtended):
+class SingleReplicaExtended(ReplicatedExtended):
+    """One replica on one device. ``place_state=False`` (the default strategy): nothing
+    made is moved or recorded."""
+
     def __init__(self, strategy: Strategy, device: LogicalDevice, place_state: bool):
         super().__init__(strategy, (device,))
         self._place_state = place_state
-        self._replica_context = context.ReplicaContext(strategy, 0)
+        self._replica_context = ReplicaContext(strategy, 0)
 
-    def _call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        return call_on_this_thread(self._replica_context, self._torch_devices[0], fn, args, kwargs)
+    @property
+    def replica_context(self) -> ReplicaContext:
+        """The only replica's context."""
+        return self._replica_context
 
-    def _capture_parameter(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: Any = None) -> torch.Tensor | None:
-        return super()._capture_parameter(tensor, is_buffer, norm_layer) if self._place_state else None
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return call_on_this_thread(self._replica_context, self.replica_devices[0], fn, args, kwargs)
+
+    def capture_parameter(self, module: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool) -> torch.Tensor | None:
+        return super().capture_parameter(module, name, tensor, is_buffer) if self._place_state else None
 
 
 def call_on_this_thread(
-    replica_context: context.ReplicaContext, device: torch.device, fn: Callable[..., Any], args: tuple, kwargs: dict
+    replica_context: ReplicaContext, device: torch.device, fn: Callable[..., Any], args: tuple, kwargs: dict
 ) -> Any:
     """Run a process's only replica directly in the calling thread, on its device."""
     device_guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -64,18 +75,23 @@ class OneDeviceStrategy(Strategy):
 class _DefaultStrategy(Strategy):
     """The strategy in force when none is: one replica, nothing moved or mirrored."""
 
-    _is_default = True
-
     def __init__(self) -> None:
         super().__init__(SingleReplicaExtended(self, LogicalDevice("cpu", 0), place_state=False))
-        self._default_replica_context = context.ReplicaContext(self, 0)
+
+    @property
+    def is_default(self) -> bool:
+        return True
 
     def _reduce_one(self, op: Any, value: Any, axis: int | None) -> torch.Tensor:
         # Keep the value on its own device: the default strategy owns no device.
         if axis is None:
-            components = self._extended._components(value)
-            return components[0]
+            return self.extended.local_components(value)[0]
         return super()._reduce_one(op, value, axis)
 
 
-context._set_default_strategy_factory(_DefaultStrategy)
+def _default_frame() -> context.Frame:
+    strategy = _DefaultStrategy()
+    return context.Frame(strategy, ReplicaContext(strategy, 0))
+
+
+context.set_default_frame_factory(_default_frame)

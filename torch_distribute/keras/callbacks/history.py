@@ -1,6 +1,6 @@
 """``History``: what ``fit`` returns; one list per logged quantity, one entry per epoch.
 
->>> from torch_distribute.keras.history import History
+>>> from torch_distribute.keras.callbacks.history import History
 >>> history = History()
 >>> history.on_epoch_end(0, {"loss": 0.5, "val_loss": 0.6})
 >>> history.history, history.epoch

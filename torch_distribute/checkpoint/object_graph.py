@@ -1,0 +1,363 @@
+"""``Checkpoint``: named objects saved and restored together, and their owning strategy.
+
+A ``Checkpoint`` groups named objects (modules, optimizers, LR schedulers, metrics, nested
+checkpoints, tensors) and saves their states in one file. Files hold one logical copy of
+every object, all tensors on the CPU, so a checkpoint written by any number of replicas or
+workers loads into any other number, or with no strategy at all. The state of an object a
+strategy captured is read and written through that strategy
+(``strategy.extended.checkpoint_state`` / ``load_checkpoint_state``); only the chief
+(``strategy.extended.should_checkpoint``) writes files.
+
+>>> import tempfile, os, torch, torch_distribute as td
+>>> model = torch.nn.Linear(2, 1)
+>>> step = torch.zeros((), dtype=torch.int64)
+>>> ckpt = td.Checkpoint(model=model, step=step)
+>>> directory = tempfile.mkdtemp()
+>>> path = ckpt.save(os.path.join(directory, "ckpt"))
+>>> os.path.basename(path), td.latest_checkpoint(directory) == path
+('ckpt-1', True)
+>>> ckpt.restore(path).assert_consumed()  # doctest: +ELLIPSIS
+<torch_distribute.checkpoint...CheckpointLoadStatus object at ...>
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torch_distribute import context
+from torch_distribute.checkpoint.file_io import (
+    FORMAT,
+    VERSION,
+    atomic_write,
+    directory_of,
+    load_payload,
+)
+from torch_distribute.checkpoint.index import missing_path_error, read_index, write_index
+from torch_distribute.errors import CheckpointError, ContextError, InvalidArgumentError
+from torch_distribute.strategies import owner_of
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "owning_strategy",
+    "should_write",
+    "write_checkpoint_file",
+]
+
+_RESERVED = frozenset({"save_counter"})
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and on the CPU (dicts, lists, tuples recursed)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        out: dict[Any, Any] = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for key, item in value.items():
+            out[key] = _to_cpu(item)
+        metadata = getattr(value, "_metadata", None)  # nn.Module state-dict versions
+        if metadata is not None and isinstance(out, OrderedDict):
+            out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    if isinstance(value, tuple):
+        items = [_to_cpu(item) for item in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def owning_strategy(objects: Iterable[Any]) -> Any:
+    """The strategy in scope, else the one the objects (or nested checkpoints) belong to."""
+    if context.has_strategy():
+        return context.get_strategy()
+    pending = list(objects)
+    while pending:
+        obj = pending.pop()
+        if isinstance(obj, Checkpoint):
+            pending.extend(obj._objects.values())
+            continue
+        owner = owner_of(obj)
+        if owner is not None:
+            return owner
+    return context.get_strategy()
+
+
+def should_write(checkpoint: Checkpoint) -> bool:
+    """Only the chief touches the files; other workers compute the same state and skip it."""
+    return bool(owning_strategy([checkpoint]).extended.should_checkpoint)
+
+
+def _object_strategy(obj: Any) -> Any | None:
+    """The strategy that captured ``obj``, else the one in scope; ``None`` without either."""
+    owner = owner_of(obj)
+    if owner is None and context.has_strategy():
+        owner = context.get_strategy()
+    return owner
+
+
+def _object_state(obj: Any) -> Any:
+    """What a checkpoint saves for ``obj`` (before moving it to the CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    strategy = None if isinstance(obj, Checkpoint) else _object_strategy(obj)
+    return obj.state_dict() if strategy is None else strategy.extended.checkpoint_state(obj)
+
+
+def _check_not_in_replica(method: str) -> None:
+    if context.has_strategy() and not context.in_cross_replica_context():
+        raise ContextError(
+            f"Checkpoint.{method}() was called inside strategy.run(); call it from the "
+            "training loop outside run() (cross-replica context), once per step."
+        )
+
+
+class CheckpointLoadStatus:
+    """What a ``read``/``restore`` matched: returned so callers can check it.
+
+    ``missing`` lists objects of the checkpoint that the file had no value for (left
+    unchanged), ``unexpected`` the values in the file that no object took.
+    """
+
+    def __init__(self, path: str | None, missing: list[str], unexpected: list[str]):
+        self.path = path
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+
+    def assert_consumed(self) -> CheckpointLoadStatus:
+        """Raise ``CheckpointError`` unless every object and every saved value matched."""
+        if self.missing or self.unexpected:
+            problems = []
+            if self.missing:
+                problems.append(f"objects with nothing saved for them: {list(self.missing)}")
+            if self.unexpected:
+                problems.append(f"saved values with no object to restore into: {list(self.unexpected)}")
+            raise CheckpointError(
+                f"Checkpoint {self.path!r} did not match the objects restored: "
+                + "; ".join(problems)
+                + ". Give the Checkpoint the same object names as when it was saved, or call "
+                "expect_partial() if a partial restore is intended."
+            )
+        return self
+
+    def expect_partial(self) -> CheckpointLoadStatus:
+        """Declare that a partial restore is intended (no-op, for TF compatibility)."""
+        return self
+
+
+class Checkpoint:
+    """Groups named objects so they are saved and restored together.
+
+    Each object has ``state_dict()``/``load_state_dict()`` (``nn.Module``, optimizers, LR
+    schedulers, metrics, another ``Checkpoint``) or is a ``torch.Tensor`` (saved by value,
+    restored in place). Counters must be tensors so they can be restored in place.
+
+    >>> import tempfile, os, torch, torch_distribute as td
+    >>> model = torch.nn.Linear(2, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> ckpt = td.Checkpoint(model=model, optimizer=optimizer)
+    >>> path = ckpt.save(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    >>> ckpt.save_counter
+    1
+    >>> fresh = torch.nn.Linear(2, 1)
+    >>> _ = td.Checkpoint(model=fresh).read(path)  # model only: optimizer left unread
+    >>> torch.equal(fresh.weight, model.weight)
+    True
+    """
+
+    def __init__(self, **objects: Any):
+        for name, obj in objects.items():
+            if name in _RESERVED or hasattr(Checkpoint, name):
+                raise InvalidArgumentError(
+                    f"'{name}' is reserved by Checkpoint (an attribute or method name); give "
+                    "the object another name."
+                )
+            if isinstance(obj, torch.Tensor):
+                continue
+            if isinstance(obj, type):
+                raise InvalidArgumentError(
+                    f"Checkpoint object '{name}' is the class {obj.__name__}, not an instance; "
+                    f"pass the object itself, e.g. {name}={obj.__name__}(...)."
+                )
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise InvalidArgumentError(
+                    f"Checkpoint object '{name}' of type {type(obj).__name__} cannot be saved: "
+                    "pass objects with state_dict()/load_state_dict() (modules, optimizers, "
+                    "schedulers, metrics, Checkpoints) or tensors. Wrap a counter in a tensor, "
+                    "e.g. step = torch.zeros((), dtype=torch.int64), and update it in place "
+                    "(step += 1)."
+                )
+        self._objects: dict[str, Any] = dict(objects)
+        self.save_counter: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or object {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(self._objects)}; save_counter={self.save_counter})"
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"save_counter": n, "objects": {name: state}}``, tensors on the CPU."""
+        objects = {name: _to_cpu(_object_state(obj)) for name, obj in self._objects.items()}
+        return {"save_counter": self.save_counter, "objects": objects}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from ``state_dict()`` output (objects absent from it are left as they are)."""
+        self._load(state_dict, restore_counter=True, prefix="")
+
+    def _load(self, state: Any, restore_counter: bool, prefix: str) -> tuple[list[str], list[str]]:
+        """Restore every object found in ``state``; return (missing, unexpected) names."""
+        if not isinstance(state, dict) or not isinstance(state.get("objects"), dict):
+            raise CheckpointError(
+                f"The saved value for Checkpoint '{prefix.rstrip('.') or '<root>'}' is not a "
+                "torch-distribute checkpoint state ({'save_counter', 'objects'})."
+            )
+        saved = state["objects"]
+        missing = [prefix + name for name in self._objects if name not in saved]
+        unexpected = [prefix + name for name in saved if name not in self._objects]
+        for name, obj in self._objects.items():
+            if name not in saved:
+                continue
+            if isinstance(obj, Checkpoint):
+                sub_missing, sub_unexpected = obj._load(saved[name], restore_counter, f"{prefix}{name}.")
+                missing += sub_missing
+                unexpected += sub_unexpected
+            else:
+                _load_object(prefix + name, obj, saved[name])
+        if restore_counter and isinstance(state.get("save_counter"), int):
+            self.save_counter = state["save_counter"]
+        return missing, unexpected
+
+    # -- writing ---------------------------------------------------------------------
+    def write(self, path: str | os.PathLike[str]) -> str:
+        """Write exactly ``path``: no numbering, no index, ``save_counter`` unchanged.
+
+        >>> import tempfile, os, torch, torch_distribute as td
+        >>> ckpt = td.Checkpoint(w=torch.ones(2))
+        >>> path = ckpt.write(os.path.join(tempfile.mkdtemp(), "weights.pt"))
+        >>> _ = ckpt.read(path)
+        """
+        path = os.fspath(path)
+        write_checkpoint_file(self, path, self.save_counter, "write")
+        return path
+
+    def save(self, file_prefix: str | os.PathLike[str]) -> str:
+        """Write ``f"{file_prefix}-{n}"`` (``n`` = the incremented ``save_counter``).
+
+        Also records the file as the latest in the directory's ``checkpoint`` index, which
+        ``td.latest_checkpoint`` reads. Returns the path written.
+
+        >>> import tempfile, os, torch, torch_distribute as td
+        >>> ckpt = td.Checkpoint(step=torch.zeros((), dtype=torch.int64))
+        >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> [os.path.basename(ckpt.save(prefix)) for _ in range(2)]
+        ['ckpt-1', 'ckpt-2']
+        """
+        file_prefix = os.fspath(file_prefix)
+        if not os.path.basename(file_prefix):
+            raise InvalidArgumentError(
+                f"file_prefix {file_prefix!r} names a directory; give a file name prefix too, "
+                "e.g. os.path.join(directory, 'ckpt')."
+            )
+        number = self.save_counter + 1
+        path = f"{file_prefix}-{number}"
+        write_checkpoint_file(self, path, number, "save")
+        self.save_counter = number
+        if should_write(self):
+            directory, basename = directory_of(path), os.path.basename(path)
+            index = read_index(directory) or {}
+            names = [
+                n for n in index.get("all", [])
+                if isinstance(n, str) and n != basename and os.path.isfile(os.path.join(directory, n))
+            ]
+            write_index(directory, basename, names + [basename])
+        return path
+
+    # -- reading ---------------------------------------------------------------------
+    def read(self, path: str | os.PathLike[str]) -> CheckpointLoadStatus:
+        """Restore the objects from exactly ``path``; ``save_counter`` is left unchanged.
+
+        Objects that have no value in the file are left as they are (see
+        ``CheckpointLoadStatus.assert_consumed``).
+        """
+        return self._restore_from(os.fspath(path), restore_counter=False)
+
+    def restore(self, save_path: str | os.PathLike[str] | None) -> CheckpointLoadStatus:
+        """Like ``read``, and also restores ``save_counter``: the inverse of ``save``.
+
+        ``None`` (what ``td.latest_checkpoint`` returns for an empty directory) restores
+        nothing, so ``ckpt.restore(td.latest_checkpoint(directory))`` starts fresh or resumes.
+        """
+        if save_path is None:
+            return CheckpointLoadStatus(None, list(self._objects), [])
+        return self._restore_from(os.fspath(save_path), restore_counter=True)
+
+    def _restore_from(self, path: str, restore_counter: bool) -> CheckpointLoadStatus:
+        _check_not_in_replica("restore")
+        if not os.path.isfile(path):
+            raise missing_path_error(path)
+        payload = load_payload(path)
+        missing, unexpected = self._load(payload, restore_counter, prefix="")
+        return CheckpointLoadStatus(path, missing, unexpected)
+
+
+def write_checkpoint_file(checkpoint: Checkpoint, path: str, save_counter: int, method: str) -> None:
+    """Serialize ``checkpoint`` with ``save_counter`` into ``path`` (chief only).
+
+    ``method`` names the caller in errors. Counters and the index are left unchanged.
+    """
+    _check_not_in_replica(method)
+    state = checkpoint.state_dict()  # every worker computes it: metrics may reduce collectively
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "save_counter": save_counter,
+        "objects": state["objects"],
+    }
+    if not should_write(checkpoint):
+        return
+    try:
+        atomic_write(path, lambda f: torch.save(payload, f))
+    except Exception as exc:
+        raise CheckpointError(
+            f"Could not write checkpoint {path!r}: {exc}. Any previous checkpoint there is "
+            "unchanged; check the disk space and that every state_dict() holds only "
+            "tensors and plain Python values."
+        ) from exc
+
+
+def _load_object(name: str, obj: Any, state: Any) -> None:
+    try:
+        if isinstance(obj, torch.Tensor):
+            if not isinstance(state, torch.Tensor):
+                raise TypeError(f"saved value is a {type(state).__name__}, not a tensor")
+            if state.shape != obj.shape:
+                raise ValueError(
+                    f"saved shape {tuple(state.shape)} != target shape {tuple(obj.shape)}"
+                )
+            with torch.no_grad():
+                obj.copy_(state)
+        else:
+            strategy = _object_strategy(obj)
+            if strategy is None:
+                obj.load_state_dict(state)
+            else:
+                strategy.extended.load_checkpoint_state(obj, state)
+    except Exception as exc:
+        raise CheckpointError(
+            f"Could not restore checkpoint object '{name}' ({type(obj).__name__}): {exc}. "
+            "Build it exactly as when it was saved (same layer sizes, same parameters in the "
+            "optimizer), or leave it out of the Checkpoint."
+        ) from exc

@@ -1,0 +1,318 @@
+"""What ``torch-distribute launch`` starts: its arguments, their checks, each worker's env.
+
+``LaunchSpec`` holds one launch (the script and ``--nproc``, ``--nnodes``, ...);
+``validate()`` rejects bad arguments before any process starts and ``tasks(attempt)``
+gives the ``TaskSpec`` of every local worker for one attempt, which
+:mod:`torch_distribute.cluster.supervisor` runs. ``build_parser()`` is the command line.
+
+Environment of local worker ``i`` (``--env torchrun``, the default)::
+
+    RANK = node_rank * nproc + i     WORLD_SIZE = nnodes * nproc
+    LOCAL_RANK = i                   LOCAL_WORLD_SIZE = nproc
+    GROUP_RANK = node_rank           GROUP_WORLD_SIZE = nnodes
+    MASTER_ADDR, MASTER_PORT         TD_RESTART_COUNT, TD_MAX_RESTARTS
+    PYTHONUNBUFFERED = 1             OMP_NUM_THREADS = 1 (only if unset and nproc > 1)
+
+With ``--env tf_config`` (one node only) the torchrun variables are replaced by
+``TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker",
+"index": i}}``. An inherited ``TF_CONFIG`` is removed in torchrun mode (it would take
+precedence in the strategy's resolution order) and inherited torchrun variables are
+removed in tf_config mode.
+
+>>> envs = worker_environments(2, nnodes=2, node_rank=1, master="node0:29500")
+>>> [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs]
+[('2', '0', '4', 'node0'), ('3', '1', '4', 'node0')]
+>>> [t.prefix for t in LaunchSpec(["-m", "pkg.train"], 2).tasks(0)]
+['[rank 0] ', '[rank 1] ']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch_distribute.cluster.supervisor import TaskSpec
+from torch_distribute.errors import InvalidArgumentError
+
+__all__ = [
+    "ENV_MODES",
+    "PROG",
+    "TORCHRUN_VARS",
+    "LaunchSpec",
+    "base_environment",
+    "build_parser",
+    "free_ports",
+    "parse_master",
+    "validate_launch_args",
+    "worker_environments",
+]
+
+PROG = "torch-distribute launch"
+ENV_MODES = ("torchrun", "tf_config")
+
+# Variables the launcher owns in torchrun mode; removed from the inherited environment in
+# tf_config mode so the strategy does not mistake the job for a torchrun job.
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def parse_master(master: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6addr]:port"``) → ``(host, port)``; clear error otherwise.
+
+    >>> parse_master("[::1]:1234")
+    ('::1', 1234)
+    """
+    text = master.strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text:
+        raise InvalidArgumentError(f"--master must be HOST:PORT (got {master!r})")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"--master port must be an integer (got {port_text!r} in {master!r})"
+        ) from None
+    if not 0 < port < 65536:
+        raise InvalidArgumentError(f"--master port must be in 1..65535 (got {port})")
+    return host, port
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that were free on ``host`` a moment ago (bind to port 0).
+
+    All sockets are held open until every port is picked, so the ports are distinct. There
+    is an unavoidable window between closing them and a worker binding one (as in torchrun).
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def validate_launch_args(
+    argv: Sequence[str],
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    master: str | None,
+    max_restarts: int,
+    env_mode: str,
+    grace_period: float,
+    timeout: float | None,
+) -> None:
+    """Raise ``InvalidArgumentError`` (naming the option) for any bad launch argument."""
+    if isinstance(argv, str):
+        raise InvalidArgumentError("the command must be a list such as ['train.py', '--lr', '0.1']")
+    if not argv:
+        raise InvalidArgumentError("no script given: expected `script.py [args...]` or `-m module`")
+    if argv[0] == "-m":
+        if len(argv) < 2 or not argv[1] or argv[1].startswith("-"):
+            raise InvalidArgumentError("-m needs a module name, e.g. `-m mypackage.train`")
+    elif not os.path.exists(argv[0]):
+        raise InvalidArgumentError(f"script not found: {argv[0]!r} (cwd {os.getcwd()})")
+    for name, value in (("nproc", nproc), ("nnodes", nnodes), ("node_rank", node_rank),
+                        ("max_restarts", max_restarts)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{name} must be an integer (got {value!r})")
+    if nproc < 1:
+        raise InvalidArgumentError(f"--nproc must be >= 1 (got {nproc})")
+    if nnodes < 1:
+        raise InvalidArgumentError(f"--nnodes must be >= 1 (got {nnodes})")
+    if not 0 <= node_rank < nnodes:
+        raise InvalidArgumentError(
+            f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes} (got {node_rank})"
+        )
+    if nnodes > 1 and not master:
+        raise InvalidArgumentError(
+            f"--master HOST:PORT is required with --nnodes {nnodes} (the address of node 0, "
+            "where rank 0 hosts the rendezvous store)"
+        )
+    if master:
+        parse_master(master)
+    if max_restarts < 0:
+        raise InvalidArgumentError(f"--max-restarts must be >= 0 (got {max_restarts})")
+    if env_mode not in ENV_MODES:
+        raise InvalidArgumentError(f"--env must be one of {', '.join(ENV_MODES)} (got {env_mode!r})")
+    if env_mode == "tf_config" and nnodes > 1:
+        raise InvalidArgumentError(
+            "--env tf_config works on one node only; for several nodes use --env torchrun or "
+            "write a TF_CONFIG per process yourself"
+        )
+    if not grace_period >= 0:
+        raise InvalidArgumentError(f"--grace-period must be >= 0 seconds (got {grace_period})")
+    if timeout is not None and not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be > 0 seconds (got {timeout})")
+
+
+def worker_environments(
+    nproc: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
+    env_mode: str = "torchrun",
+    restart_count: int = 0,
+    max_restarts: int = 0,
+) -> list[dict[str, str]]:
+    """The variables the launcher sets for each local worker (one dict per local rank).
+
+    Picks fresh free ports when no ``master`` is given, so every call (every restart
+    attempt) gets a new rendezvous port.
+    """
+    common = {
+        "TD_RESTART_COUNT": str(restart_count),
+        "TD_MAX_RESTARTS": str(max_restarts),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if env_mode == "tf_config":
+        ports = free_ports(nproc)
+        workers = [f"127.0.0.1:{p}" for p in ports]
+        return [
+            {
+                **common,
+                "TF_CONFIG": json.dumps(
+                    {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+                ),
+            }
+            for i in range(nproc)
+        ]
+    if master:
+        addr, port = parse_master(master)
+    else:
+        addr, port = "127.0.0.1", free_ports(1)[0]
+    world = nnodes * nproc
+    return [
+        {
+            **common,
+            "RANK": str(node_rank * nproc + i),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(i),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(node_rank),
+            "GROUP_WORLD_SIZE": str(nnodes),
+            "ROLE_RANK": str(node_rank * nproc + i),
+            "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+        }
+        for i in range(nproc)
+    ]
+
+
+def base_environment(
+    env_mode: str, nproc: int, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The inherited environment (default ``os.environ``) cleaned for ``env_mode``."""
+    env = dict(os.environ if environ is None else environ)
+    if env_mode == "torchrun":
+        env.pop("TF_CONFIG", None)
+    else:
+        for name in TORCHRUN_VARS:
+            env.pop(name, None)
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun does: no oversubscription
+    return env
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch: the script or module with its arguments, and the launcher's options.
+
+    See ``torch_distribute.cluster.launcher.launch`` for the meaning of each field.
+    """
+
+    argv: Sequence[str]
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master: str | None = None
+    max_restarts: int = 0
+    env_mode: str = "torchrun"
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    grace_period: float = 10.0
+    timeout: float | None = None
+
+    def validate(self) -> None:
+        """Raise ``InvalidArgumentError`` for a bad argument, before any process starts."""
+        validate_launch_args(self.argv, self.nproc, self.nnodes, self.node_rank, self.master,
+                             self.max_restarts, self.env_mode, self.grace_period, self.timeout)
+
+    def tasks(self, attempt: int) -> list[TaskSpec]:
+        """Every local worker of attempt ``attempt`` (0 first), with fresh ports."""
+        base = base_environment(self.env_mode, self.nproc)
+        per_worker = worker_environments(
+            self.nproc,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master=self.master,
+            env_mode=self.env_mode,
+            restart_count=attempt,
+            max_restarts=self.max_restarts,
+        )
+        extra = {k: str(v) for k, v in self.extra_env.items()}
+        command = [sys.executable, "-u", *self.argv]
+        tasks = []
+        for local_rank, variables in enumerate(per_worker):
+            rank = self.node_rank * self.nproc + local_rank
+            tasks.append(TaskSpec(name=f"worker rank {rank}", prefix=f"[rank {rank}] ",
+                                  command=command, env={**base, **variables, **extra}))
+        return tasks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``torch-distribute launch`` command line."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Start local worker processes of a training script with the environment "
+        "torch-distribute strategies read, prefix their output with their rank, and stop "
+        "them all when one fails.",
+        epilog="Everything after the script (or -m module) is passed to the script.",
+    )
+    parser.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                        metavar="N", help="worker processes on this node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+                        help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
+                        help="rank of this node, 0..M-1 (default 0)")
+    parser.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="rendezvous address (node 0); required when --nnodes > 1; "
+                        "default on one node: 127.0.0.1 and a free port per attempt")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
+                        help="restart all local workers up to K times after a failure (default 0)")
+    parser.add_argument("--env", choices=ENV_MODES, default="torchrun", dest="env_mode",
+                        help="how workers learn the cluster: torchrun variables (default) or "
+                        "a TF_CONFIG per worker (one node only)")
+    parser.add_argument("--grace-period", "--grace_period", type=float, default=10.0,
+                        metavar="S", help="seconds between SIGTERM and SIGKILL (default 10)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="stop everything and exit 124 after S seconds (default: none)")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="run the target as a module, like python -m")
+    parser.add_argument("script", metavar="script.py | module",
+                        help="the training script (or module name with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="args",
+                        help="arguments for the script")
+    return parser

@@ -1,0 +1,403 @@
+"""The process supervisor shared by ``torch-distribute launch`` and the PS local cluster.
+
+``ProcessSupervisor`` starts local tasks (each in its own process group, so a task's
+children are stopped with it), copies every line of their stdout/stderr to the caller's
+streams with a per-task prefix (``[rank 1] ``, ``[worker:0] ``), watches them, and stops
+them: SIGTERM to each process group, SIGKILL to what is left after the grace period. It
+runs one of two policies:
+
+- ``run_gang``: all tasks are one job (``torch-distribute launch``). When one fails the
+  others are stopped and all start again, up to ``max_restarts`` times; the result is 0,
+  the failed task's exit code (128 + signal number when killed), 124 on timeout, or
+  128 + signal number when the supervisor itself is interrupted.
+- ``run_until_exit``: one task leads (the chief of a parameter-server job) and its exit
+  code ends the job; tasks marked ``restartable`` are started again alone when they fail.
+
+>>> import io, sys
+>>> out = io.StringIO()
+>>> supervisor = ProcessSupervisor(stdout=out, stderr=out)
+>>> task = TaskSpec("hello", "[hello] ", [sys.executable, "-c", "print('hi')"], {})
+>>> supervisor.run_until_exit([task]), out.getvalue()
+(0, '[hello] hi\\n')
+
+Why not torch's elastic agent (``torchrun``, ``elastic_launch``,
+``torch.distributed.elastic.multiprocessing.start_processes``): the agent restarts one
+homogeneous role whose environment it computes itself (ranks, its own TCPStore, the
+``TORCHELASTIC_*`` variables), so it can neither give each task its own ``TF_CONFIG`` nor
+run the heterogeneous chief/worker/ps tasks of the PS local cluster and restart one worker
+while the others go on; it reports failures as ``ChildFailedError`` rather than the exit
+codes above. Its output prefixing redirects to log files and tails them onto the
+``sys.stdout``/``sys.stderr`` of the moment, with no way to hand it the caller's streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+__all__ = [
+    "EXIT_TIMEOUT",
+    "ProcessSupervisor",
+    "SupervisedProcess",
+    "TaskSpec",
+    "describe_status",
+    "exit_code_for",
+    "forward_lines",
+]
+
+#: The exit code when the ``timeout`` passes (as ``timeout(1)`` uses).
+EXIT_TIMEOUT = 124
+POLL_S = 0.05
+KILL_WAIT_S = 5.0
+READER_JOIN_S = 2.0
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One process to start: its name in messages, output prefix, command and environment.
+
+    ``env`` is the complete environment of the process. A ``restartable`` task is started
+    again alone when it fails under ``run_until_exit``.
+    """
+
+    name: str
+    prefix: str
+    command: Sequence[str]
+    env: Mapping[str, str]
+    restartable: bool = False
+
+
+@dataclass
+class SupervisedProcess:
+    """A started task: its ``Popen`` and the threads forwarding its output."""
+
+    spec: TaskSpec
+    proc: subprocess.Popen
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the task's process group (itself and any grandchildren)."""
+        if hasattr(os, "killpg"):
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        if self.proc.poll() is None:  # pragma: no cover - no process groups (Windows)
+            try:
+                self.proc.kill() if sig == getattr(signal, "SIGKILL", None) else self.proc.terminate()
+            except OSError:
+                pass
+
+    def group_alive(self) -> bool:
+        """True while the task or anything left in its process group runs."""
+        if self.proc.poll() is None:
+            return True
+        if not hasattr(os, "killpg"):  # pragma: no cover
+            return False
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def forward_lines(pipe: IO[bytes], prefix: str, stream: IO[str], lock: threading.Lock) -> None:
+    """Copy ``pipe`` to ``stream`` line by line, each line prefixed; never blocks the child.
+
+    Undecodable bytes become U+FFFD and a last line without a newline gets one, so lines of
+    different tasks never run together.
+    """
+    try:
+        while True:
+            line = pipe.readline(1 << 20)
+            if not line:
+                break
+            text = line.decode("utf-8", errors="replace")
+            if not text.endswith("\n"):
+                text += "\n"
+            with lock:
+                try:
+                    stream.write(prefix + text)
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass  # our own output went away (closed pipe): keep draining the child
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def describe_status(code: int) -> str:
+    """A task's exit status in words: ``"failed with exit code 3"``, ``"was killed by ..."``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name}"
+    return f"failed with exit code {code}"
+
+
+def exit_code_for(code: int) -> int:
+    """A task's status as an exit code: itself, or 128 + signal number.
+
+    >>> exit_code_for(3), exit_code_for(-9)
+    (3, 137)
+    """
+    return 128 - code if code < 0 else code
+
+
+class ProcessSupervisor:
+    """Starts, watches and stops local tasks; see the module docstring.
+
+    Args:
+        stdout, stderr: where the tasks' prefixed output lines go.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping.
+        log_prefix: put before the supervisor's own messages.
+        log_stream: where those messages go (default ``stderr``).
+    """
+
+    def __init__(
+        self,
+        *,
+        stdout: IO[str],
+        stderr: IO[str],
+        grace_period: float = 10.0,
+        log_prefix: str = "",
+        log_stream: IO[str] | None = None,
+    ) -> None:
+        self.stdout = stdout
+        self.stderr = stderr
+        self.grace_period = grace_period
+        self.log_prefix = log_prefix
+        self.log_stream = stderr if log_stream is None else log_stream
+        self.lock = threading.Lock()
+        self.processes: list[SupervisedProcess] = []
+        self.received: list[int] = []  # signals received by the supervisor, in order
+
+    def log(self, message: str) -> None:
+        """Write one message of the supervisor's own (never fails)."""
+        with self.lock:
+            try:
+                self.log_stream.write(f"{self.log_prefix}{message}\n")
+                self.log_stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    # -- start and stop -----------------------------------------------------------------
+
+    def start(self, spec: TaskSpec) -> SupervisedProcess:
+        """Start ``spec`` in a new process group with its output forwarded (not recorded)."""
+        proc = subprocess.Popen(
+            list(spec.command),
+            env=dict(spec.env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        process = SupervisedProcess(spec=spec, proc=proc)
+        for pipe, stream, kind in ((proc.stdout, self.stdout, "out"), (proc.stderr, self.stderr, "err")):
+            thread = threading.Thread(  # one per pipe: lines never interleave mid-line
+                target=forward_lines,
+                args=(pipe, spec.prefix, stream, self.lock),
+                name=f"td-supervise-{spec.name}-{kind}",
+                daemon=True,
+            )
+            thread.start()
+            process.readers.append(thread)
+        return process
+
+    def start_all(self, specs: Sequence[TaskSpec]) -> None:
+        """Start every task; they become the supervised set (``processes``)."""
+        self.processes = []
+        for spec in specs:
+            self.processes.append(self.start(spec))
+
+    def stop_all(self) -> None:
+        """SIGTERM every task's group, wait up to the grace period, SIGKILL what is left."""
+        if not self.processes:
+            return
+        signals_seen = len(self.received)
+        for process in self.processes:
+            process.signal_group(signal.SIGTERM)
+        end = time.monotonic() + self.grace_period
+        while any(p.group_alive() for p in self.processes):
+            if time.monotonic() >= end or len(self.received) > signals_seen:
+                break  # grace over, or interrupted again: kill now
+            time.sleep(POLL_S)
+        kill = getattr(signal, "SIGKILL", signal.SIGTERM)
+        end = time.monotonic() + KILL_WAIT_S
+        while True:
+            alive = [p for p in self.processes if p.group_alive()]
+            if not alive or time.monotonic() >= end:
+                break
+            for process in alive:
+                process.signal_group(kill)
+            time.sleep(POLL_S)
+        for process in self.processes:
+            try:
+                process.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+                self.log(f"{process.spec.name} (pid {process.pid}) did not exit")
+        self._join_readers()
+
+    def _join_readers(self) -> None:
+        end = time.monotonic() + READER_JOIN_S
+        for process in self.processes:
+            for thread in process.readers:
+                # A pipe stays open only if a grandchild escaped its process group; the
+                # reader threads are daemons, so do not wait for it forever.
+                thread.join(timeout=max(0.0, end - time.monotonic()))
+
+    def kill_all(self) -> None:
+        """Last resort (an exception in the caller): SIGKILL every task group still alive."""
+        for process in self.processes:
+            if process.group_alive():
+                process.signal_group(getattr(signal, "SIGKILL", signal.SIGTERM))
+        for process in self.processes:
+            try:
+                process.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    # -- signals ------------------------------------------------------------------------
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        """Signal handler: remember the signal; the policy loop stops the tasks."""
+        self.received.append(signum)
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """Route SIGINT, SIGTERM (and SIGHUP unless ignored) to ``on_signal`` meanwhile.
+
+        Only in the main thread (elsewhere Python cannot install handlers); the previous
+        handlers are put back on exit.
+        """
+        handled = [signal.SIGINT, signal.SIGTERM]
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            handled.append(signal.SIGHUP)
+        previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in handled:
+                previous[sig] = signal.signal(sig, self.on_signal)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _interrupted(self) -> int:
+        signum = self.received[0]
+        self.log(f"received {signal.Signals(signum).name}; stopping all workers")
+        self.stop_all()
+        return 128 + signum
+
+    # -- policies -----------------------------------------------------------------------
+
+    def _watch(self, deadline: float | None) -> tuple[str, SupervisedProcess | None, int]:
+        """Wait until all tasks succeed, one fails, a signal arrives or time runs out."""
+        while True:
+            if self.received:
+                return "signal", None, 0
+            if deadline is not None and time.monotonic() >= deadline:
+                return "timeout", None, 0
+            codes = [p.poll() for p in self.processes]
+            failed = [(p, c) for p, c in zip(self.processes, codes, strict=True) if c is not None and c != 0]
+            if failed:
+                process, code = failed[0]  # the first listed among those that failed this poll
+                return "failed", process, code
+            if all(c == 0 for c in codes):
+                return "ok", None, 0
+            time.sleep(POLL_S)
+
+    def run_gang(
+        self,
+        make_tasks: Callable[[int], Sequence[TaskSpec]],
+        *,
+        max_restarts: int = 0,
+        timeout: float | None = None,
+    ) -> int:
+        """Run ``make_tasks(attempt)`` as one job, restarting all of it after a failure.
+
+        ``attempt`` counts from 0; a new attempt gets new tasks (fresh ports, say). Returns
+        0, the failed task's exit code once restarts are exhausted, ``EXIT_TIMEOUT`` when
+        ``timeout`` seconds pass, or 128 + signal number when interrupted.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempt = 0
+        while True:
+            if self.received:
+                return self._interrupted()
+            self.start_all(make_tasks(attempt))
+            outcome, process, code = self._watch(deadline)
+            if outcome == "ok":
+                self.stop_all()  # reap stray grandchildren, join readers
+                return 0
+            if outcome == "signal":
+                return self._interrupted()
+            if outcome == "timeout":
+                self.log(f"timed out after {timeout:g} s; stopping all workers")
+                self.stop_all()
+                return EXIT_TIMEOUT
+            assert process is not None
+            what = f"{process.spec.name} (pid {process.pid}) {describe_status(code)}"
+            self.stop_all()
+            if self.received:
+                return self._interrupted()
+            if attempt < max_restarts:
+                attempt += 1
+                self.log(f"restarting all workers (attempt {attempt}/{max_restarts}) after {what}")
+                continue
+            if max_restarts:
+                self.log(f"no restarts left ({max_restarts} used)")
+            self.log(what)
+            return exit_code_for(code)
+
+    def run_until_exit(
+        self, specs: Sequence[TaskSpec], *, leader: int = 0, timeout: float | None = None
+    ) -> int:
+        """Run ``specs`` until ``specs[leader]`` exits; return its exit code.
+
+        Tasks marked ``restartable`` that fail meanwhile are started again alone. When
+        ``timeout`` seconds pass, returns ``EXIT_TIMEOUT``. Every task is stopped on return,
+        also on an exception (``KeyboardInterrupt`` included).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.processes = []
+        try:
+            for spec in specs:
+                self.processes.append(self.start(spec))
+            lead = self.processes[leader]
+            while lead.poll() is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    return EXIT_TIMEOUT
+                for k, process in enumerate(self.processes):
+                    if process.spec.restartable and process.poll() not in (None, 0):
+                        self.log(f"{process.spec.name} exited ({process.proc.returncode}); "
+                                 "restarting it")
+                        self.processes[k] = self.start(process.spec)
+                time.sleep(POLL_S)
+            return lead.proc.returncode
+        finally:
+            self.stop_all()

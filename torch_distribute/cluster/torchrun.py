@@ -1,0 +1,113 @@
+"""``TorchrunClusterResolver``: the environment ``torchrun`` gives each worker.
+
+It applies (``is_present``) when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are all set,
+as under ``torchrun`` and ``torch-distribute launch`` (its default ``--env torchrun``).
+
+>>> env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+>>> TorchrunClusterResolver.is_present(env)
+True
+>>> r = TorchrunClusterResolver(environ=env)
+>>> r.num_workers, r.is_chief, r.rendezvous_address()
+(2, True, ('node0', 29500))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch_distribute.cluster.base import ClusterResolver
+from torch_distribute.cluster.cluster_spec import ClusterSpec
+from torch_distribute.cluster.env import env_int, environ_or_default
+from torch_distribute.errors import ClusterConfigError
+
+__all__ = ["TorchrunClusterResolver"]
+
+
+def _format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class TorchrunClusterResolver(ClusterResolver):
+    """Reads the environment ``torchrun`` (and ``torch-distribute launch``) gives a worker.
+
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are required;
+    ``LOCAL_RANK`` (default 0) and ``LOCAL_WORLD_SIZE`` (default 1) are optional. Every
+    process is a ``"worker"`` (torchrun has no separate chief: rank 0 plays that part),
+    ``task_id`` is ``RANK`` and ``num_workers`` is ``WORLD_SIZE``.
+
+    torchrun only tells a process where rank 0 listens, so ``cluster_spec()`` is
+    ``{"worker": ["MASTER_ADDR:MASTER_PORT", "rank1", "rank2", ...]}``: entry 0 is the
+    rendezvous address and the others are placeholders (``f"rank{i}"``), not addresses.
+
+    Raises:
+        ClusterConfigError: a variable missing or not a valid number, naming it.
+
+    >>> env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    >>> r = TorchrunClusterResolver(environ=env)
+    >>> r.cluster_spec()
+    ClusterSpec({'worker': ['10.0.0.1:29500', 'rank1']})
+    >>> r.worker_index, r.is_chief, r.rendezvous_address()
+    (1, False, ('10.0.0.1', 29500))
+    """
+
+    _HINT = " (torchrun sets it; are you running under torchrun?)"
+
+    def __init__(
+        self, *, rpc_layer: str | None = None, environ: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(rpc_layer=rpc_layer, environ=environ)
+        env = self.environ
+        self._world_size = env_int(env, "WORLD_SIZE", minimum=1, hint=self._HINT)
+        self._rank = env_int(env, "RANK", minimum=0, hint=self._HINT)
+        if self._rank >= self._world_size:
+            raise ClusterConfigError(
+                f"RANK={self._rank} must be below WORLD_SIZE={self._world_size}"
+            )
+        self._local_world_size = env_int(env, "LOCAL_WORLD_SIZE", default=1, minimum=1)
+        self._local_rank = env_int(env, "LOCAL_RANK", default=0, minimum=0)
+        if "LOCAL_WORLD_SIZE" in env and self._local_rank >= self._local_world_size:
+            raise ClusterConfigError(
+                f"LOCAL_RANK={self._local_rank} must be below "
+                f"LOCAL_WORLD_SIZE={self._local_world_size}"
+            )
+        master_addr = env.get("MASTER_ADDR", "").strip()
+        if not master_addr:
+            raise ClusterConfigError(f"environment variable MASTER_ADDR is not set{self._HINT}")
+        self._master_addr = master_addr.strip("[]")
+        self._master_port = env_int(env, "MASTER_PORT", minimum=1, maximum=65535, hint=self._HINT)
+
+    @classmethod
+    def is_present(cls, environ: Mapping[str, str] | None = None) -> bool:
+        """True when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are all set."""
+        env = environ_or_default(environ)
+        return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+    def cluster_spec(self) -> ClusterSpec:
+        first = _format_host_port(self._master_addr, self._master_port)
+        return ClusterSpec({"worker": [first] + [f"rank{i}" for i in range(1, self._world_size)]})
+
+    def _default_task_type(self) -> str | None:
+        return "worker"
+
+    def _default_task_id(self) -> int | None:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """``WORLD_SIZE``."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """``LOCAL_RANK`` (0 when unset)."""
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """``LOCAL_WORLD_SIZE`` (1 when unset): workers on this machine."""
+        return self._local_world_size
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """``(MASTER_ADDR, MASTER_PORT)``."""
+        self.validate()
+        return self._master_addr, self._master_port

@@ -1,0 +1,351 @@
+"""The training loops of ``td.keras.Model``: ``fit``, ``evaluate`` and ``predict``.
+
+``fit_loop``, ``evaluate_loop`` and ``predict_loop`` drive the per-replica steps of
+``ReplicaSteps`` (``keras/replica_steps.py``) over the data with ``strategy.run``, and run the
+callbacks and the backups. The model (``keras/model.py``) checks its arguments, builds the
+steps from what ``compile`` made and calls these loops, which see it only through the public
+members listed by ``TrainableModel``: this module does not import the model.
+
+>>> import torch, torch_distribute as td
+>>> from torch_distribute.keras.replica_steps import ReplicaSteps
+>>> from torch_distribute.keras.training_loops import predict_loop
+>>> model = td.keras.Model(torch.nn.Linear(2, 3))
+>>> outputs = predict_loop(model, model.distribute_strategy, ReplicaSteps(model), torch.ones(5, 2),
+...                        batch_size=2, verbose=0)
+>>> outputs.shape
+torch.Size([5, 3])
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from torch_distribute import metrics as td_metrics
+from torch_distribute import nest
+from torch_distribute.checkpoint import Checkpoint
+from torch_distribute.errors import DatasetError, InvalidArgumentError
+from torch_distribute.fault_tolerance import BackupAndRestore as _Backup
+from torch_distribute.keras.callbacks.backup_and_restore import BackupAndRestore
+from torch_distribute.keras.callbacks.base import Callback, CallbackList
+from torch_distribute.keras.callbacks.history import History
+from torch_distribute.keras.callbacks.progbar_logger import ProgbarLogger
+from torch_distribute.keras.data_adapter import DataHandler, make_handler
+from torch_distribute.keras.replica_steps import ReplicaSteps
+
+__all__ = [
+    "TrainableModel",
+    "check_int",
+    "class_weights",
+    "evaluate_loop",
+    "fit_loop",
+    "predict_loop",
+    "split_validation",
+]
+
+
+class TrainableModel(Protocol):
+    """What the loops use of a model: ``td.keras.Model`` has all of it."""
+
+    stop_training: bool
+    history: History | None
+    optimizer: torch.optim.Optimizer | None
+    steps_per_execution: int
+
+    @property
+    def metrics(self) -> list[td_metrics.Metric]: ...
+
+    def reset_metrics(self) -> None: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+class _FitState:
+    """What a backup must hold besides the objects: the shuffling seed."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+
+
+# -- fit -----------------------------------------------------------------------------------------
+def fit_loop(
+    model: TrainableModel,
+    strategy: Any,
+    steps: ReplicaSteps,
+    x: Any,
+    y: Any,
+    sample_weight: Any = None,
+    *,
+    batch_size: int | None = None,
+    epochs: int = 1,
+    verbose: str | int = "auto",
+    callbacks: Sequence[Callback] | None = None,
+    validation_data: Any = None,
+    shuffle: bool = True,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+) -> History:
+    """Train ``model`` for ``epochs`` epochs under ``strategy`` (the arguments already checked)."""
+    fit_state = _FitState(_shared_seed(strategy))
+    train = make_handler(strategy, x, y, sample_weight, batch_size, shuffle, steps_per_epoch, seed=fit_state.seed)
+    val = None
+    if validation_data is not None:
+        vx, vy, vw = _validation_parts(validation_data)
+        val = make_handler(strategy, vx, vy, vw, validation_batch_size or (batch_size if vy is not None else None),
+                           False, validation_steps, what="validation_data")
+    callback_list, history, backup_callback = _callbacks(
+        model, callbacks, verbose, {"epochs": epochs, "steps": train.steps, "in_fit": True})
+    model.history = history
+    model.stop_training = False
+    callback_list.on_train_begin()
+    backup = _open_backup(model, strategy, backup_callback, train, fit_state, history, callback_list)
+    if backup is not None and hasattr(train.source, "seed"):
+        train.source.seed = fit_state.seed
+    epoch_numbers: Iterator[int] | range = backup.epochs(epochs, initial_epoch) if backup is not None else range(initial_epoch, epochs)
+    logs: dict[str, float] = {}
+    for epoch in epoch_numbers:
+        resume_step = backup.step_in_epoch if backup is not None else 0
+        if resume_step == 0:
+            model.reset_metrics()
+        callback_list.on_epoch_begin(epoch)
+        batches = train.epoch(epoch)
+        ran = _train_epoch(model, strategy, steps, backup.steps(batches) if backup is not None else batches, train,
+                           callback_list, resume_step)
+        if ran is None:  # a stream that had nothing left
+            _warn_ran_out(epoch)
+            break
+        logs = _logs(model)
+        if val is not None and (epoch + 1) % validation_freq == 0:
+            logs.update({f"val_{k}": v for k, v in _test_loop(model, strategy, steps, val, callback_list, epoch).items()})
+        callback_list.on_epoch_end(epoch, logs)
+        if train.exhausted:
+            _warn_ran_out(epoch)
+            model.stop_training = True
+        if model.stop_training:
+            break
+    if backup is not None:
+        backup.finish()
+    callback_list.on_train_end(logs)
+    return history
+
+
+def _train_epoch(model: TrainableModel, strategy: Any, steps: ReplicaSteps, batches: Any, handler: DataHandler,
+                 callback_list: CallbackList, first_step: int) -> int | None:
+    """Train on one epoch's batches; the steps run, ``None`` if there were none to run."""
+    per_execution = model.steps_per_execution
+    wants_logs = callback_list.wants_batch_logs("train")
+    step = first_step
+    pending = 0
+    model.train()
+    try:
+        for batch in batches:
+            if pending == 0:
+                callback_list.on_train_batch_begin(step)
+            strategy.run(steps.train_step, args=(batch, handler.global_rows(batch)))
+            step += 1
+            pending += 1
+            if pending == per_execution:
+                pending = 0
+                callback_list.on_train_batch_end(step - 1, _logs(model) if wants_logs else {})
+                if model.stop_training:
+                    break
+    except DatasetError:
+        if step == first_step and handler.exhausted:
+            return None
+        raise
+    if pending:
+        callback_list.on_train_batch_end(step - 1, _logs(model) if wants_logs else {})
+    return step - first_step
+
+
+# -- evaluate --------------------------------------------------------------------------------------
+def evaluate_loop(
+    model: TrainableModel,
+    strategy: Any,
+    steps: ReplicaSteps,
+    x: Any,
+    y: Any = None,
+    sample_weight: Any = None,
+    *,
+    batch_size: int | None = None,
+    verbose: str | int = "auto",
+    num_steps: int | None = None,
+    callbacks: Sequence[Callback] | None = None,
+) -> dict[str, float]:
+    """Every metric's value over the data (``num_steps`` batches at most), by name."""
+    handler = make_handler(strategy, x, y, sample_weight, batch_size, False, num_steps)
+    callback_list, _, _ = _callbacks(model, callbacks, verbose, {"steps": handler.steps, "in_fit": False},
+                                     history=False)
+    return _test_loop(model, strategy, steps, handler, callback_list)
+
+
+def _test_loop(model: TrainableModel, strategy: Any, steps: ReplicaSteps, handler: DataHandler,
+               callback_list: CallbackList, epoch: int = 0) -> dict[str, float]:
+    wants_logs = callback_list.wants_batch_logs("test")
+    model.reset_metrics()
+    model.eval()
+    callback_list.on_test_begin()
+    step = 0
+    for batch in handler.epoch(epoch):
+        callback_list.on_test_batch_begin(step)
+        strategy.run(steps.test_step, args=(batch,))
+        callback_list.on_test_batch_end(step, _logs(model) if wants_logs else {})
+        step += 1
+    logs = _logs(model)
+    callback_list.on_test_end(logs)
+    return logs
+
+
+# -- predict ---------------------------------------------------------------------------------------
+def predict_loop(
+    model: TrainableModel,
+    strategy: Any,
+    steps: ReplicaSteps,
+    x: Any,
+    *,
+    batch_size: int | None = None,
+    verbose: str | int = "auto",
+    num_steps: int | None = None,
+    callbacks: Sequence[Callback] | None = None,
+) -> Any:
+    """The outputs on ``x`` in its order, gathered from every replica and worker, on the CPU."""
+    handler = make_handler(strategy, x, None, None, batch_size, False, num_steps, what="x")
+    callback_list, _, _ = _callbacks(model, callbacks, verbose, {"steps": handler.steps}, history=False)
+    model.eval()
+    callback_list.on_predict_begin()
+    pieces: list[Any] = []
+    for step, batch in enumerate(handler.epoch(0)):
+        callback_list.on_predict_batch_begin(step)
+        outputs = strategy.run(steps.predict_step, args=(batch,))
+        gathered = nest.map_structure(lambda v: v.cpu(), strategy.gather(outputs, axis=0))
+        pieces.append(gathered)
+        callback_list.on_predict_batch_end(step, {"outputs": gathered})
+    callback_list.on_predict_end()
+    if not pieces:
+        raise DatasetError("predict got no batches.")
+    leaves = [nest.flatten(p)[0] for p in pieces]
+    spec = nest.flatten(pieces[0])[1]
+    return nest.unflatten([torch.cat([lv[i] for lv in leaves]) for i in range(len(leaves[0]))], spec)
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+def _logs(model: TrainableModel) -> dict[str, float]:
+    """Every metric's global value (a reduction across replicas and workers each)."""
+    return {m.name: float(m.result()) for m in model.metrics}
+
+
+def _callbacks(model: TrainableModel, callbacks: Sequence[Callback] | None, verbose: str | int,
+               params: dict[str, Any], history: bool = True) -> tuple[CallbackList, History, BackupAndRestore | None]:
+    callbacks = list(callbacks or [])
+    for callback in callbacks:
+        if not isinstance(callback, Callback):
+            raise InvalidArgumentError(
+                f"callbacks must be td.keras.callbacks.Callback objects, got {type(callback).__name__}.")
+    if verbose == "auto":
+        verbose = 1
+    if verbose not in (0, 1, 2):
+        raise InvalidArgumentError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}.")
+    backups = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+    if len(backups) > 1:
+        raise InvalidArgumentError("Give fit at most one BackupAndRestore callback.")
+    record = History()
+    ordered: list[Callback] = []
+    if verbose and not any(isinstance(c, ProgbarLogger) for c in callbacks):
+        ordered.append(ProgbarLogger(verbose))
+    ordered += callbacks
+    if history:
+        ordered.append(record)
+    return CallbackList(ordered, model, {"verbose": verbose, **params}), record, (backups[0] if backups else None)
+
+
+def _open_backup(model: TrainableModel, strategy: Any, callback: BackupAndRestore | None, handler: DataHandler,
+                 fit_state: _FitState, history: History, callback_list: CallbackList) -> _Backup | None:
+    if callback is None:
+        return None
+    metrics = Checkpoint(**{f"metric_{i}": m for i, m in enumerate(model.metrics)})
+    stateful = [c for c in callback_list.callbacks if c is not history and callable(getattr(c, "state_dict", None))]
+    states = Checkpoint(**{f"callback_{i}": c for i, c in enumerate(stateful)})
+    checkpoint = Checkpoint(model=model, optimizer=model.optimizer, metrics=metrics, history=history,
+                            callbacks=states, fit=fit_state)
+    return _Backup(checkpoint, callback.backup_dir, save_freq=callback.save_freq,
+                   delete_checkpoint=callback.delete_checkpoint, generators=handler.generators(), strategy=strategy)
+
+
+def _shared_seed(strategy: Any) -> int:
+    """A shuffling seed from the torch RNG, the chief's on every worker."""
+    local = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    if strategy.num_replicas_in_sync == strategy.extended.num_local_replicas:
+        return int(local[0])
+    return int(strategy.gather(local, axis=0)[0])
+
+
+# -- argument helpers ------------------------------------------------------------------------------------
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raise ``InvalidArgumentError`` unless ``value`` is an ``int`` (not a ``bool``) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _warn_ran_out(epoch: int) -> None:
+    warnings.warn(
+        f"Your input ran out of data in epoch {epoch + 1}; interrupting training. Make sure the data can "
+        "give at least steps_per_epoch * epochs batches (a generator is used up after one pass: pass a "
+        "list, a DataLoader or tensors instead).",
+        stacklevel=4,
+    )
+
+
+def class_weights(class_weight: dict[int, float] | None) -> torch.Tensor | None:
+    """``fit``'s ``class_weight`` dict as a table indexed by class id (missing ids weigh 1)."""
+    if class_weight is None:
+        return None
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise InvalidArgumentError(f"class_weight must be a dict {{class_id: weight}}, got {class_weight!r}.")
+    table = torch.ones(max(int(k) for k in class_weight) + 1)
+    for key, value in class_weight.items():
+        table[int(key)] = float(value)
+    return table
+
+
+def _validation_parts(validation_data: Any) -> tuple[Any, Any, Any]:
+    if isinstance(validation_data, tuple) and len(validation_data) in (2, 3):
+        return (*validation_data, None)[:3] if len(validation_data) == 2 else validation_data
+    return validation_data, None, None
+
+
+def split_validation(x: Any, y: Any, sample_weight: Any, fraction: float) -> tuple[Any, Any, Any, Any]:
+    """``(x, y, sample_weight, validation_data)``: the last ``fraction`` of the rows held out."""
+    if not 0.0 < fraction < 1.0:
+        raise InvalidArgumentError(f"validation_split must be in (0, 1), got {fraction!r}.")
+    leaves = nest.leaves(x)
+    if not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
+        raise InvalidArgumentError(
+            "validation_split works with tensors or arrays only; with a DataLoader or an iterable pass "
+            "validation_data=... instead."
+        )
+    rows = int(leaves[0].shape[0])
+    cut = int(rows * (1.0 - fraction))
+    if cut in (0, rows):
+        raise InvalidArgumentError(f"validation_split={fraction} leaves no rows to train or to validate on ({rows} rows).")
+
+    def head(v: Any) -> Any:
+        return None if v is None else nest.map_structure(lambda t: t[:cut], v)
+
+    def tail(v: Any) -> Any:
+        return None if v is None else nest.map_structure(lambda t: t[cut:], v)
+
+    return head(x), head(y), head(sample_weight), (tail(x), tail(y), tail(sample_weight))

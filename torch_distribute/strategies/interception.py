@@ -1,0 +1,181 @@
+"""Catching what is created inside ``strategy.scope()`` and routing optimizer steps.
+
+This is the only module that touches torch's classes, and it is installed once per process.
+
+- Parameters and buffers: torch's global module registration hooks
+  (``register_module_parameter_registration_hook`` / ``..._buffer_...``) hand each one to
+  ``extended.capture_parameter`` of the strategy whose scope we are in.
+- Optimizers and LR schedulers: torch has no hook that fires when one is constructed, so
+  ``Optimizer.__init__`` and ``LRScheduler.__init__`` get a thin wrapper. Outside every
+  scope it returns at once; inside, it tells the strategy (``capture_optimizer`` /
+  ``capture_scheduler``).
+- Steps: torch's step pre/post hooks can observe ``optimizer.step()`` but not replace it,
+  and a replicated strategy must run the user's update once per training step, not once per
+  replica. So, only when ``extended.intercepts_optimizer_steps``, the captured optimizer's
+  ``step``/``zero_grad`` and its schedulers' ``step`` are rebound *on that instance* to the
+  strategy's ``optimizer_step`` / ``optimizer_zero_grad`` / ``scheduler_step``, each given
+  torch's own bound method to call.
+- A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
+  outside the scope when several replicas would each step it.
+
+>>> import torch, torch_distribute as td
+>>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+>>> with strategy.scope():
+...     layer = torch.nn.Linear(2, 1)
+...     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+>>> owner_of(optimizer) is strategy and owner_of(layer) is strategy
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.optim import lr_scheduler
+from torch.optim import optimizer as optimizer_module
+
+from torch_distribute import context
+from torch_distribute.errors import UnmirroredStateError
+
+_installed = False
+_install_lock = threading.Lock()
+_strategies: weakref.WeakSet[Any] = weakref.WeakSet()
+# Objects that know their strategy without holding a captured tensor (optimizers, metrics).
+_owners: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def register_strategy(strategy: Any) -> None:
+    """Make ``owner_of`` consider ``strategy``'s captured tensors."""
+    _strategies.add(strategy)
+
+
+def claim(obj: Any, strategy: Any) -> None:
+    """Record that ``obj`` (an optimizer, a metric...) belongs to ``strategy``."""
+    if not strategy.is_default:
+        _owners[obj] = strategy
+
+
+def owner_of(obj: Any) -> Any | None:
+    """The (non-default) strategy an object made in a scope belongs to, if any.
+
+    Optimizers and metrics are claimed when made; a module or tensor belongs to the strategy
+    that captured its parameters; an object with a ``distribute_strategy`` (a
+    ``td.keras.Model``, a metric) belongs to that one.
+    """
+    try:
+        owner = _owners.get(obj)
+    except TypeError:  # not weak-referenceable
+        owner = None
+    if owner is None:
+        owner = getattr(obj, "distribute_strategy", None)
+    if owner is not None and not owner.is_default:
+        return owner
+    if isinstance(obj, (torch.nn.Module, torch.Tensor)):
+        for strategy in list(_strategies):
+            if not strategy.is_default and strategy.extended.owns(obj):
+                return strategy
+    return None
+
+
+def scope_strategy() -> Any | None:
+    """The non-default strategy whose scope we are directly in (not inside run), if any."""
+    strategy = context.get_cross_replica_context()
+    if strategy is None or strategy.is_default:
+        return None
+    return strategy
+
+
+def _on_parameter(module: torch.nn.Module, name: str, param: Any) -> Any:
+    strategy = scope_strategy()
+    if strategy is None or param is None:
+        return None
+    return strategy.extended.capture_parameter(module, name, param, is_buffer=False)
+
+
+def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
+    strategy = scope_strategy()
+    if strategy is None or buffer is None:
+        return None
+    return strategy.extended.capture_parameter(module, name, buffer, is_buffer=True)
+
+
+def _route_optimizer(optimizer: torch.optim.Optimizer, extended: Any) -> None:
+    step = optimizer.step  # torch's bound step, hooks and profiling included
+    zero_grad = optimizer.zero_grad
+
+    def routed_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        return extended.optimizer_step(self, step, closure)
+
+    def routed_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        extended.optimizer_zero_grad(self, zero_grad, set_to_none)
+
+    # Bound methods, as torch's own: LRScheduler re-wraps ``optimizer.step.__func__``.
+    optimizer.step = types.MethodType(routed_step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(routed_zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+def _route_scheduler(scheduler: Any, extended: Any) -> None:
+    step = scheduler.step
+
+    def routed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return extended.scheduler_step(self, step, args, kwargs)
+
+    scheduler.step = types.MethodType(routed_step, scheduler)
+
+
+def _wrap_optimizer_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        strategy = scope_strategy()
+        if strategy is not None and self not in _owners:
+            _owners[self] = strategy
+            strategy.extended.capture_optimizer(self)
+            if strategy.extended.intercepts_optimizer_steps:
+                _route_optimizer(self, strategy.extended)
+
+    return __init__
+
+
+def _wrap_scheduler_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original(self, optimizer, *args, **kwargs)
+        strategy = _owners.get(optimizer)
+        if strategy is not None:
+            strategy.extended.capture_scheduler(self)
+            if strategy.extended.intercepts_optimizer_steps:
+                _route_scheduler(self, strategy.extended)
+
+    return __init__
+
+
+def _check_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    replica = context.get_replica_context()
+    if replica is not None and replica.num_replicas_in_sync > 1 and optimizer not in _owners:
+        raise UnmirroredStateError(
+            f"{type(optimizer).__name__}.step() was called inside strategy.run() with "
+            f"{replica.num_replicas_in_sync} replicas, but the optimizer was created outside "
+            "strategy.scope(): gradients would not be summed across replicas. Create the "
+            "optimizer inside `with strategy.scope():`."
+        )
+
+
+def install() -> None:
+    """Install the hooks once per process (idempotent, thread-safe)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        nn_module.register_module_parameter_registration_hook(_on_parameter)
+        nn_module.register_module_buffer_registration_hook(_on_buffer)
+        torch.optim.Optimizer.__init__ = _wrap_optimizer_init(torch.optim.Optimizer.__init__)
+        lr_scheduler.LRScheduler.__init__ = _wrap_scheduler_init(lr_scheduler.LRScheduler.__init__)
+        optimizer_module.register_optimizer_step_pre_hook(_check_optimizer_step)
+        _installed = True

@@ -1,0 +1,154 @@
+"""The mirrored family's base: strategies that keep a copy of every captured tensor per
+local replica (``OneDevice``, ``Mirrored``, ``CentralStorage``, ``MultiWorkerMirrored``).
+
+``ReplicatedExtended`` owns the ``ReplicatedState`` (the per-replica copies) and the
+in-process ``CrossDeviceOps``, and implements the parts of the strategy contract that
+depend on copies: capture (a captured tensor moves to the primary device and gets copies),
+``owns``, ``local_copies``, reductions over the local replicas, ``update`` and
+``finish_scope``. Strategies outside the family (parameter servers, fully sharded) derive
+from ``StrategyExtended`` directly.
+
+>>> import torch, torch_distribute as td
+>>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+>>> with strategy.scope():
+...     layer = torch.nn.Linear(2, 1)
+>>> strategy.extended.owns(layer), len(strategy.extended.local_copies(layer.weight))
+(True, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from torch_distribute.collectives import CrossDeviceOps, select_cross_device_ops
+from torch_distribute.collectives.arithmetic import divide
+from torch_distribute.devices import LogicalDevice
+from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.replicated_state import ReplicatedState
+from torch_distribute.values import PerReplica, select_replica
+
+
+class ReplicatedExtended(StrategyExtended):
+    """``StrategyExtended`` with one copy of every captured tensor per local replica.
+
+    ``parameter_device`` set: the user's tensors are the one central copy there and every
+    replica computes with a copy (central storage); otherwise replica 0 computes with the
+    user's tensor itself.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        devices: tuple[LogicalDevice, ...],
+        cross_device_ops: CrossDeviceOps | None = None,
+        parameter_device: LogicalDevice | None = None,
+    ):
+        super().__init__(strategy, devices)
+        if cross_device_ops is None:
+            cross_device_ops = select_cross_device_ops(devices)
+        cross_device_ops.validate(devices)
+        self._cross_device_ops = cross_device_ops
+        self._parameter_device = parameter_device
+        self._state = ReplicatedState(
+            list(self.replica_devices),
+            cross_device_ops,
+            parameter_device.torch_device if parameter_device is not None else None,
+        )
+
+    # -- topology --------------------------------------------------------------------------
+    @property
+    def primary_device(self) -> torch.device:
+        return self._state.primary_device
+
+    @property
+    def parameter_devices(self) -> tuple[LogicalDevice, ...]:
+        if self._parameter_device is not None:
+            return (self._parameter_device,)
+        return self.worker_devices
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        return self._cross_device_ops
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture_parameter(
+        self, module: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
+    ) -> torch.Tensor | None:
+        # Running statistics change in place inside the batch-norm kernel, unseen by version
+        # counters: their records watch the layer's training flag instead.
+        is_running_stat = is_buffer and isinstance(module, _NormBase) and name in ("running_mean", "running_var")
+        norm_layer = module if is_running_stat else None
+        moved = None
+        primary = self.primary_device
+        if tensor.device != primary:
+            if isinstance(tensor, nn.Parameter):
+                moved = nn.Parameter(tensor.detach().to(primary), tensor.requires_grad)
+            else:
+                moved = tensor.to(primary)
+        self._state.register(moved if moved is not None else tensor, is_buffer, norm_layer)
+        return moved
+
+    def finish_scope(self) -> None:
+        self._state.sync_stale()
+
+    def owns(self, obj: Any) -> bool:
+        if isinstance(obj, nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()][:1]
+        else:
+            tensors = [obj]
+        return any(isinstance(t, torch.Tensor) and self._state.lookup(t) is not None for t in tensors)
+
+    def local_copies(self, obj: Any) -> tuple[Any, ...] | None:
+        if isinstance(obj, torch.Tensor):
+            return self._state.local_copies(obj)
+        if isinstance(obj, nn.Module):
+            return self._state.module_replicas(obj)
+        return None
+
+    # -- values and reductions ---------------------------------------------------------------
+    def local_components(self, value: Any) -> list[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            copies = self._state.local_copies(value)
+            if copies is not None:
+                return list(copies)
+        return super().local_components(value)
+
+    def reduce_locally(self, components: list[torch.Tensor], destination: torch.device) -> torch.Tensor:
+        return self._cross_device_ops.reduce(ReduceOp.SUM, components, destination)
+
+    def broadcast_locally(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self._cross_device_ops.broadcast(tensor, list(self.replica_devices))
+
+    def replica_all_reduce(self, reduce_op: ReduceOp, per_replica: list[Any]) -> list[Any]:
+        # All values in one packed local reduction, then one cross-worker reduction each.
+        components = [self.local_components(v) for v in per_replica]
+        per_replica_lists = [[c[k] for c in components] for k in range(self.num_local_replicas)]
+        totals = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica_lists, self.primary_device)
+        out = []
+        for total in totals:
+            total = self.reduce_across_workers(total)
+            if reduce_op is ReduceOp.MEAN:
+                total = divide(total, self.num_replicas_in_sync)
+            out.append(PerReplica(self.broadcast_locally(total)))
+        return out
+
+    def update(self, var: torch.Tensor, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, group: bool = True) -> Any:
+        record = self._state.lookup(var)
+        if record is not None and not self._state.replica0_is_primary:
+            # Central storage: update the one central value; replicas read it afresh.
+            with torch.no_grad():
+                result = fn(var, *select_replica(0, args), **select_replica(0, kwargs or {}))
+            self._state.broadcast([record])
+            return result if group else [result]
+        return super().update(var, fn, args, kwargs, group)
+
+    def after_update(self, var: torch.Tensor) -> None:
+        record = self._state.lookup(var)
+        if record is not None:
+            record.mark_synced()
