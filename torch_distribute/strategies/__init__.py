@@ -1,7 +1,8 @@
 """Strategies: one module per strategy, all on the ``Strategy`` base."""
 
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.central_storage import CentralStorageStrategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.interception import owner_of
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
 from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy

@@ -21,7 +21,8 @@ from torch_distribute.devices import (
     local_devices,
 )
 from torch_distribute.errors import InvalidDeviceError
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.mirrored import MirroredExtended
 from torch_distribute.strategies.single_replica import SingleReplicaExtended
 

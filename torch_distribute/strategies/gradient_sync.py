@@ -25,17 +25,19 @@ from typing import Any
 
 import torch
 
+from torch_distribute.collectives.packing import unpack
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
 
 
 class _Bucket:
+    """One flat buffer: every record's gradient (a view each), then one flag per record."""
+
     def __init__(self, records: list[MirroredTensor], device: torch.device, dtype: torch.dtype):
         self.records = records
-        self.numels = [r.primary.numel() for r in records]
-        total = sum(self.numels)
+        total = sum(r.primary.numel() for r in records)
         self.flat = torch.zeros(total + len(records), device=device, dtype=dtype)
-        self.offsets = [sum(self.numels[:i]) for i in range(len(records))]
+        self.views = [v.view(-1) for v in unpack(self.flat, [r.primary for r in records])]
         self.flag_offset = total
 
 
@@ -99,7 +101,7 @@ class GradientSynchronizer:
         flags = []
         with torch.no_grad():
             for slot, record in enumerate(bucket.records):
-                view = bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot])
+                view = bucket.views[slot]
                 grads = [c.grad for c in record.copies if c.grad is not None]
                 if grads and _aliases(grads[0], view):
                     # Still the view of the last sum (zero_grad(set_to_none=False) or no
@@ -136,10 +138,7 @@ class GradientSynchronizer:
                 for slot, record in enumerate(bucket.records):
                     primary = record.primary
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
-                    primary.grad = (
-                        bucket.flat.narrow(0, bucket.offsets[slot], bucket.numels[slot]).view_as(primary)
-                        if flags[slot] else None
-                    )
+                    primary.grad = bucket.views[slot].view_as(primary) if flags[slot] else None
                     for replica_copy in record.copies[1:]:
                         replica_copy.grad = None
         with self._lock:

@@ -21,7 +21,8 @@ from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.replica_threads import ReplicaThreads, outside_replica_mode
 from torch_distribute.strategies.replicated import ReplicatedExtended
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode

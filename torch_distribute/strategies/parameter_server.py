@@ -40,7 +40,8 @@ from torch_distribute.devices import LogicalDevice
 from torch_distribute.errors import ClusterConfigError, ParameterServerUnavailableError
 from torch_distribute.ps import chief, client, hooks, server, transport, worker
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.parameter_server_worker import ParameterServerWorkerStrategy
 from torch_distribute.strategies.single_replica import call_on_this_thread
 

@@ -21,7 +21,8 @@ import torch
 
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 

@@ -29,7 +29,8 @@ from torch_distribute.collectives import CrossDeviceOps, select_cross_device_ops
 from torch_distribute.collectives.arithmetic import divide
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.reduce_op import ReduceOp
-from torch_distribute.strategies.base import Strategy, StrategyExtended
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.replicated_state import ReplicatedState
 from torch_distribute.values import PerReplica, select_replica
 
