@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch_distribute import context, replica_ops
+from torch_distribute import context
+from torch_distribute.collectives import differentiable
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.values import select_replica
 
@@ -86,11 +87,11 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
         """Reduce ``value`` (a tensor or nest of tensors) over all replicas; differentiable."""
-        return replica_ops.all_reduce(self, reduce_op, value)
+        return differentiable.all_reduce(self, reduce_op, value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` from every replica along ``axis``, in replica order."""
-        return replica_ops.all_gather(self, value, axis)
+        return differentiable.all_gather(self, value, axis)
 
     def __repr__(self) -> str:
         return (
