@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 import threading
@@ -131,10 +132,12 @@ class WorkerGroup:
     def _at_exit(self) -> None:
         """At interpreter exit (also after an uncaught exception), tell the others we left.
 
-        After a clean run, then close: the heartbeat thread joined and the process group
-        destroyed before the interpreter tears down. Left to finalization, about 1 clean run
-        in 20 aborted ("terminate called without an active exception") under torchrun; closed
-        here, 1 in 310 still did (cause not yet found). After
+        After a clean run, then close: the heartbeat thread joined, the process group
+        destroyed and the stores released before the interpreter tears down. Left to
+        finalization, about 1 clean run in 20 aborted ("terminate called without an active
+        exception"). Closing the group without releasing the stores still aborted 2 launches in
+        32 of ``test_gradient_accumulation`` on a loaded 2-core machine. With the stores
+        released, 0 aborted in 90 launches. After
         an uncaught exception the group is left alone: peers may still be inside a
         collective, and tearing it down must not hold this process's exit.
         """
@@ -275,6 +278,11 @@ class WorkerGroup:
         atexit.unregister(self._at_exit)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Let the stores' C++ objects (the chief's server thread, the heartbeat client) be
+        # destroyed now, while the interpreter is whole, not during its teardown.
+        self._heartbeat_client = None
+        self.store = None
+        gc.collect()
 
 
 def _backend(implementation: CommunicationImplementation, use_cuda: bool) -> str:

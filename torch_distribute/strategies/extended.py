@@ -142,6 +142,15 @@ class StrategyExtended:
         """``optimizer.zero_grad(set_to_none)`` of a captured optimizer."""
         zero_grad(set_to_none)
 
+    def apply_to_global_gradients(self, optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Any:
+        """Call ``fn()`` once with the ``.grad`` of ``optimizer``'s parameters holding the sum
+        over every replica and worker (cross-replica context, every process), and return its
+        result. Loss scaling decides finiteness there (``GradScaler.unscale_``/``step``). If
+        ``fn`` did not step, every replica then reads the global gradient as ``fn`` left it
+        (so ``clip_grad_norm_`` inside ``run`` clips by the global norm), and the step that
+        follows applies it without summing again."""
+        return fn()
+
     def scheduler_step(self, scheduler: Any, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """``scheduler.step(*args, **kwargs)``: advance once per training step."""
         replica = context.get_replica_context()

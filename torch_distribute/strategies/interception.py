@@ -15,6 +15,12 @@ This is the only module that touches torch's classes, and it is installed once p
   ``step``/``zero_grad`` and its schedulers' ``step`` are rebound *on that instance* to the
   strategy's ``optimizer_step`` / ``optimizer_zero_grad`` / ``scheduler_step``, each given
   torch's own bound method to call.
+- Loss scaling: ``torch.amp.GradScaler``'s ``unscale_``, ``step`` and ``update`` are called
+  by every replica, but must act once per training step on the gradient summed over every
+  replica and worker (one scale, one decision to skip). Torch has no hook on them either, so
+  each gets a thin wrapper: outside ``run`` of a strategy with several replicas it calls
+  torch's method at once; inside, it runs it once in a ``merge_call``, after
+  ``extended.apply_to_global_gradients``.
 - A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
   outside the scope when several replicas would each step it.
 
@@ -41,7 +47,7 @@ from torch.optim import lr_scheduler
 from torch.optim import optimizer as optimizer_module
 
 from torch_distribute import context
-from torch_distribute.errors import UnmirroredStateError
+from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 
 _installed = False
 _install_lock = threading.Lock()
@@ -156,6 +162,42 @@ def _wrap_scheduler_init(original: Any) -> Any:
     return __init__
 
 
+def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
+    @functools.wraps(original)
+    def method(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        replica = context.get_replica_context()
+        if replica is None or replica.num_replicas_in_sync == 1 or not scaler.is_enabled():
+            return original(scaler, *args, **kwargs)
+        strategy = replica.strategy
+        optimizer = args[0] if takes_optimizer and args else kwargs.get("optimizer")
+        if takes_optimizer and _owners.get(optimizer) is not strategy:
+            raise UnmirroredStateError(
+                f"GradScaler.{original.__name__}() was given a {type(optimizer).__name__} created "
+                f"outside {type(strategy).__name__}.scope(): its gradients would not be summed "
+                "across replicas before the inf/NaN check. Create the optimizer inside "
+                "`with strategy.scope():`."
+            )
+
+        def call() -> Any:
+            try:
+                return original(scaler, *args, **kwargs)
+            except RuntimeError as error:  # torch's misuse errors, with what to change
+                raise InvalidArgumentError(
+                    f"GradScaler.{original.__name__}() inside strategy.run(): {error} Call "
+                    "scaler.unscale_(optimizer) at most once and scaler.step(optimizer) once per "
+                    "training step, then scaler.update()."
+                ) from error
+
+        def once(_strategy: Any) -> Any:
+            if takes_optimizer:
+                return strategy.extended.apply_to_global_gradients(optimizer, call)
+            return call()
+
+        return replica.merge_call(once)
+
+    return method
+
+
 def _check_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     replica = context.get_replica_context()
     if replica is not None and replica.num_replicas_in_sync > 1 and optimizer not in _owners:
@@ -178,4 +220,8 @@ def install() -> None:
         torch.optim.Optimizer.__init__ = _wrap_optimizer_init(torch.optim.Optimizer.__init__)
         lr_scheduler.LRScheduler.__init__ = _wrap_scheduler_init(lr_scheduler.LRScheduler.__init__)
         optimizer_module.register_optimizer_step_pre_hook(_check_optimizer_step)
+        scaler = torch.amp.GradScaler
+        scaler.unscale_ = _wrap_scaler_method(scaler.unscale_, takes_optimizer=True)
+        scaler.step = _wrap_scaler_method(scaler.step, takes_optimizer=True)
+        scaler.update = _wrap_scaler_method(scaler.update, takes_optimizer=False)
         _installed = True

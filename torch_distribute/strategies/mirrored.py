@@ -50,6 +50,10 @@ class MirroredExtended(ReplicatedExtended):
     ):
         super().__init__(strategy, devices, cross_device_ops, parameter_device)
         self._threads: ReplicaThreads | None = None
+        # Optimizers whose gradients apply_to_global_gradients summed for the coming step, and
+        # those whose global gradient it then handed to every replica.
+        self._synced: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._shared: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def _replica_threads(self) -> ReplicaThreads:
         if self._threads is None:
@@ -63,6 +67,8 @@ class MirroredExtended(ReplicatedExtended):
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         threads = self._replica_threads()
+        self._synced.clear()  # a new backward: gradients are local again
+        self._shared.clear()
         self._state.sync_stale()
         replica_contexts = [
             MirroredReplicaContext(self._strategy, self.replica_id_offset + k, threads)
@@ -92,9 +98,44 @@ class MirroredExtended(ReplicatedExtended):
             return replica.merge_call(lambda _s: self._apply_optimizer(optimizer, step))
         return self._apply_optimizer(optimizer, step)
 
+    def apply_to_global_gradients(self, optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Any:
+        records = self._optimizer_records(optimizer)
+        if optimizer not in self._synced:
+            self._sum_gradients(optimizer, records)
+            self._synced.add(optimizer)
+        result = fn()
+        if optimizer in self._synced:  # fn did not step: hand the global gradient to every replica
+            self._share_gradients(records)
+            self._shared.add(optimizer)
+        return result
+
+    def _share_gradients(self, records: list[Any]) -> None:
+        # Copies, never aliases: each replica modifies its own in place.
+        with torch.no_grad():
+            for record in records:
+                grad = record.primary.grad
+                for replica_copy in record.copies or ():
+                    if replica_copy is not record.primary:
+                        replica_copy.grad = None if grad is None else grad.to(replica_copy.device, copy=True)
+
+    def _take_shared_gradients(self, records: list[Any]) -> None:
+        """Replica 0's gradient, as the step function left it, is the one to apply; the
+        other replicas' copies of it are dropped."""
+        with torch.no_grad():
+            for record in records:
+                primary, copies = record.primary, record.copies or ()
+                if copies and copies[0] is not primary:  # central storage
+                    grad = copies[0].grad
+                    primary.grad = None if grad is None else grad.to(primary.device)
+                for replica_copy in copies:
+                    if replica_copy is not primary:
+                        replica_copy.grad = None
+
     def optimizer_zero_grad(
         self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., Any], set_to_none: bool
     ) -> None:
+        self._synced.discard(optimizer)
+        self._shared.discard(optimizer)
         replica = context.get_replica_context()
         if replica is not None and replica.strategy is self._strategy:
             self._zero_replica_grads(optimizer, replica.local_replica_id, set_to_none)
@@ -121,7 +162,13 @@ class MirroredExtended(ReplicatedExtended):
     def _apply_optimizer(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Any:
         """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
         records = self._optimizer_records(optimizer)
-        self._sum_gradients(optimizer, records)
+        if optimizer in self._synced:  # summed already (GradScaler.unscale_)
+            self._synced.discard(optimizer)
+            if optimizer in self._shared:
+                self._shared.discard(optimizer)
+                self._take_shared_gradients(records)
+        else:
+            self._sum_gradients(optimizer, records)
         result = step()
         self._after_step(records)
         if self.num_local_replicas > 1 or not self._state.replica0_is_primary:
