@@ -105,37 +105,35 @@ def test_scaler_state_round_trips_through_a_checkpoint_across_replica_counts(tmp
     assert restored.get_scale() == scales[-1] and restored.state_dict() == scaler.state_dict()
 
 
-def test_a_scaler_stepping_an_optimizer_made_outside_the_scope_is_refused():
+def _run_misuse(optimizer_in_scope: bool, misuse) -> None:
+    """Run ``misuse(model, optimizer, scaler, x)`` once under two CPU replicas."""
     strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         model = torch.nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer_in_scope else None
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = make_scaler()
+    batch = next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 8)])))
+    strategy.run(lambda x: misuse(model, optimizer, scaler, x), args=(batch,))
 
-    def bad_step(x):
+
+def test_a_scaler_stepping_an_optimizer_made_outside_the_scope_is_refused():
+    def step_it(model, optimizer, scaler, x):
         scaler.scale(model(x).sum()).backward()
         scaler.step(optimizer)
 
-    batch = next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 8)])))
     with pytest.raises(td.UnmirroredStateError, match="outside MirroredStrategy.scope"):
-        strategy.run(bad_step, args=(batch,))
+        _run_misuse(False, step_it)
 
 
 def test_unscale_twice_in_one_step_is_a_clear_error():
-    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
-    with strategy.scope():
-        model = torch.nn.Linear(8, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = make_scaler()
-
-    def twice(x):
+    def unscale_twice(model, optimizer, scaler, x):
         scaler.scale(model(x).sum()).backward()
         scaler.unscale_(optimizer)
         scaler.unscale_(optimizer)
 
-    batch = next(iter(strategy.experimental_distribute_dataset([torch.ones(4, 8)])))
     with pytest.raises(td.InvalidArgumentError, match="unscale_.*at most once"):
-        strategy.run(twice, args=(batch,))
+        _run_misuse(True, unscale_twice)
 
 
 @pytest.mark.timeout(150)
