@@ -51,7 +51,7 @@ def apply_packed_(tensors: Sequence[torch.Tensor], collective: Callable[[torch.T
     the results back into ``tensors``."""
     with torch.no_grad():
         for group in group_by_dtype_and_device(tensors):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            flat = pack([t.detach() for t in group])
             collective(flat)
             for t, piece in zip(group, unpack(flat, group), strict=True):
                 t.copy_(piece)

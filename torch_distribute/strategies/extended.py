@@ -13,6 +13,7 @@ happen is in ``strategies/base.py``; ``docs/architecture.md`` has a page on addi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,14 @@ from torch_distribute.devices import LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import DistributedValues, Mirrored, PerReplica, select_replica
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The tensor that says whether ``obj`` was captured: the tensor itself, or a module's
+    first parameter (else its first buffer)."""
+    if isinstance(obj, nn.Module):
+        return next(itertools.chain(obj.parameters(), obj.buffers()), None)
+    return obj if isinstance(obj, torch.Tensor) else None
 
 
 class StrategyExtended:

@@ -61,16 +61,10 @@ def register_strategy(strategy: Any) -> None:
     _strategies.add(strategy)
 
 
-def claim(obj: Any, strategy: Any) -> None:
-    """Record that ``obj`` (an optimizer, a metric...) belongs to ``strategy``."""
-    if not strategy.is_default:
-        _owners[obj] = strategy
-
-
 def owner_of(obj: Any) -> Any | None:
     """The (non-default) strategy an object made in a scope belongs to, if any.
 
-    Optimizers and metrics are claimed when made; a module or tensor belongs to the strategy
+    Optimizers are recorded when made; a module or tensor belongs to the strategy
     that captured its parameters; an object with a ``distribute_strategy`` (a
     ``td.keras.Model``, a metric) belongs to that one.
     """

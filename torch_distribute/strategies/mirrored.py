@@ -50,10 +50,11 @@ class MirroredExtended(ReplicatedExtended):
     ):
         super().__init__(strategy, devices, cross_device_ops, parameter_device)
         self._threads: ReplicaThreads | None = None
-        # Optimizers whose gradients apply_to_global_gradients summed for the coming step, and
-        # those whose global gradient it then handed to every replica.
-        self._synced: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._shared: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # Optimizers whose gradients apply_to_global_gradients summed for the coming step,
+        # mapped to whether it then handed the global gradient to every replica.
+        self._global_grads: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _replica_threads(self) -> ReplicaThreads:
         if self._threads is None:
@@ -67,8 +68,7 @@ class MirroredExtended(ReplicatedExtended):
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         threads = self._replica_threads()
-        self._synced.clear()  # a new backward: gradients are local again
-        self._shared.clear()
+        self._global_grads.clear()  # a new backward: gradients are local again
         self._state.sync_stale()
         replica_contexts = [
             MirroredReplicaContext(self._strategy, self.replica_id_offset + k, threads)
@@ -100,13 +100,13 @@ class MirroredExtended(ReplicatedExtended):
 
     def apply_to_global_gradients(self, optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Any:
         records = self._optimizer_records(optimizer)
-        if optimizer not in self._synced:
+        if optimizer not in self._global_grads:
             self._sum_gradients(optimizer, records)
-            self._synced.add(optimizer)
+            self._global_grads[optimizer] = False
         result = fn()
-        if optimizer in self._synced:  # fn did not step: hand the global gradient to every replica
+        if optimizer in self._global_grads:  # fn did not step: every replica gets the global gradient
             self._share_gradients(records)
-            self._shared.add(optimizer)
+            self._global_grads[optimizer] = True
         return result
 
     def _share_gradients(self, records: list[Any]) -> None:
@@ -134,8 +134,7 @@ class MirroredExtended(ReplicatedExtended):
     def optimizer_zero_grad(
         self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., Any], set_to_none: bool
     ) -> None:
-        self._synced.discard(optimizer)
-        self._shared.discard(optimizer)
+        self._global_grads.pop(optimizer, None)
         replica = context.get_replica_context()
         if replica is not None and replica.strategy is self._strategy:
             self._zero_replica_grads(optimizer, replica.local_replica_id, set_to_none)
@@ -162,13 +161,11 @@ class MirroredExtended(ReplicatedExtended):
     def _apply_optimizer(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Any:
         """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
         records = self._optimizer_records(optimizer)
-        if optimizer in self._synced:  # summed already (GradScaler.unscale_)
-            self._synced.discard(optimizer)
-            if optimizer in self._shared:
-                self._shared.discard(optimizer)
-                self._take_shared_gradients(records)
-        else:
+        shared = self._global_grads.pop(optimizer, None)
+        if shared is None:
             self._sum_gradients(optimizer, records)
+        elif shared:  # summed already (GradScaler.unscale_), then handed to every replica
+            self._take_shared_gradients(records)
         result = step()
         self._after_step(records)
         if self.num_local_replicas > 1 or not self._state.replica0_is_primary:

@@ -86,8 +86,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             result = super().call_for_each_replica(fn, args, kwargs)
         else:
             # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
-            self._synced.clear()
-            self._shared.clear()
+            self._global_grads.clear()
             self._state.sync_stale()
             result = call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
             self._state.aggregate_buffers()

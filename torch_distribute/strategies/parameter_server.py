@@ -41,7 +41,7 @@ from torch_distribute.errors import ClusterConfigError, ParameterServerUnavailab
 from torch_distribute.ps import chief, client, hooks, server, transport, worker
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy
-from torch_distribute.strategies.extended import StrategyExtended
+from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.parameter_server_worker import ParameterServerWorkerStrategy
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
@@ -127,8 +127,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
         self.registry.materialize()
 
     def owns(self, obj: Any) -> bool:
-        tensors = [*obj.parameters(), *obj.buffers()][:1] if isinstance(obj, nn.Module) else [obj]
-        return any(isinstance(t, torch.Tensor) and self.registry.owns(t) for t in tensors)
+        tensor = first_tensor(obj)
+        return tensor is not None and self.registry.owns(tensor)
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # On the coordinator (e.g. evaluation): one replica, in this thread, current values.

@@ -30,7 +30,7 @@ from torch_distribute.collectives.arithmetic import divide
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies.base import Strategy
-from torch_distribute.strategies.extended import StrategyExtended
+from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.replicated_state import ReplicatedState
 from torch_distribute.values import PerReplica, select_replica
 
@@ -99,11 +99,8 @@ class ReplicatedExtended(StrategyExtended):
         self._state.sync_stale()
 
     def owns(self, obj: Any) -> bool:
-        if isinstance(obj, nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()][:1]
-        else:
-            tensors = [obj]
-        return any(isinstance(t, torch.Tensor) and self._state.lookup(t) is not None for t in tensors)
+        tensor = first_tensor(obj)
+        return tensor is not None and self._state.lookup(tensor) is not None
 
     def local_copies(self, obj: Any) -> tuple[Any, ...] | None:
         if isinstance(obj, torch.Tensor):

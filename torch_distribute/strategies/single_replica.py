@@ -30,11 +30,6 @@ class SingleReplicaExtended(ReplicatedExtended):
         self._place_state = place_state
         self._replica_context = ReplicaContext(strategy, 0)
 
-    @property
-    def replica_context(self) -> ReplicaContext:
-        """The only replica's context."""
-        return self._replica_context
-
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return call_on_this_thread(self._replica_context, self.replica_devices[0], fn, args, kwargs)
 
