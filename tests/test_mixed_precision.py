@@ -22,20 +22,13 @@ from amp_reference import (  # noqa: E402
     GLOBAL_BATCH,
     INIT_SCALE,
     INJECT_STEP,
+    STRATEGIES,
     build,
     flat,
     make_data,
     make_scaler,
     step,
 )
-
-STRATEGIES = {
-    "one": lambda: td.OneDeviceStrategy("cpu"),
-    "mirrored2": lambda: td.MirroredStrategy(["cpu:0", "cpu:1"]),
-    "mirrored3": lambda: td.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
-    "central2": lambda: td.CentralStorageStrategy(["cpu:0", "cpu:1"]),
-    "mwms1": lambda: td.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"]),
-}
 
 
 def _train(strategy, inject_row=None, clip=None, autocast=False):

@@ -17,7 +17,7 @@
 """
 
 from torch_distribute import cluster as cluster_resolver
-from torch_distribute import coordinator, estimator, keras, metrics, partitioners
+from torch_distribute import coordinator, estimator, keras, metrics, mixed_precision, partitioners
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
     CrossDeviceOps,
@@ -50,6 +50,7 @@ from torch_distribute.errors import (
     ParameterServerUnavailableError,
     ReplicaMismatchError,
     UnmirroredStateError,
+    UnsupportedDtypeError,
     WorkerUnavailableError,
 )
 from torch_distribute.fault_tolerance import BackupAndRestore
@@ -117,6 +118,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "UnmirroredStateError",
+    "UnsupportedDtypeError",
     "ValueContext",
     "WorkerUnavailableError",
     "cluster_resolver",
@@ -129,6 +131,7 @@ __all__ = [
     "keras",
     "latest_checkpoint",
     "metrics",
+    "mixed_precision",
     "coordinator",
     "distribute_server",
     "partitioners",

@@ -15,6 +15,10 @@ class InvalidDeviceError(DistributeError, ValueError):
     """A device string that cannot be parsed or is not available."""
 
 
+class UnsupportedDtypeError(InvalidDeviceError):
+    """A compute dtype (``float16``, ``bfloat16``) the device cannot autocast to."""
+
+
 class InvalidReduceOpError(DistributeError, ValueError):
     """A reduce op other than ``SUM`` or ``MEAN``."""
 

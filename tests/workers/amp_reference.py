@@ -13,6 +13,15 @@ INJECT_STEP = 5
 INIT_SCALE = 2.0**10
 GROWTH_INTERVAL = 3
 
+# The in-process strategies these tests compare with one device.
+STRATEGIES = {
+    "one": lambda: td.OneDeviceStrategy("cpu"),
+    "mirrored2": lambda: td.MirroredStrategy(["cpu:0", "cpu:1"]),
+    "mirrored3": lambda: td.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
+    "central2": lambda: td.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+    "mwms1": lambda: td.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"]),
+}
+
 
 def make_data(inject_row: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches; with ``inject_row``, that row of batch ``INJECT_STEP`` holds an inf."""
@@ -38,9 +47,18 @@ def make_scaler() -> torch.amp.GradScaler:
 
 
 def step(model, optimizer, scaler, batch, clip: float | None = None) -> torch.Tensor:
-    """The step as PyTorch documents it, with the loss over the global batch."""
+    """The step as PyTorch documents it, with the loss over the global batch; without a
+    scaler (``None``), a plain float32 step that clips gradients by norm then by value."""
     x, y = batch
     loss = td.compute_average_loss(((model(x) - y) ** 2).squeeze(1), global_batch_size=GLOBAL_BATCH)
+    if scaler is None:
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip / 4)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
     scaler.scale(loss).backward()
     if clip is not None:
         scaler.unscale_(optimizer)

@@ -15,6 +15,7 @@ from torch_distribute.keras import (
     callbacks,
     losses,
     metrics,
+    mixed_precision,
     optimizers,
     preprocessing,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "callbacks",
     "losses",
     "metrics",
+    "mixed_precision",
     "optimizers",
     "preprocessing",
 ]

@@ -39,7 +39,9 @@ from torch_distribute.keras import training_loops
 from torch_distribute.keras.callbacks.base import Callback
 from torch_distribute.keras.callbacks.history import History
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
+from torch_distribute.keras.mixed_precision import Policy, global_policy
 from torch_distribute.keras.replica_steps import ReplicaSteps
+from torch_distribute.mixed_precision import LossScaleOptimizer, check_autocast
 from torch_distribute.strategies import owner_of
 
 __all__ = ["Model", "NotCompiledError"]
@@ -72,8 +74,9 @@ class Model(nn.Module):
     ['loss', 'accuracy']
     """
 
-    def __init__(self, module: nn.Module | None = None, name: str | None = None):
+    def __init__(self, module: nn.Module | None = None, name: str | None = None, dtype: Policy | str | None = None):
         super().__init__()
+        self.dtype_policy = global_policy() if dtype is None else Policy(dtype)
         if module is not None and not isinstance(module, nn.Module):
             raise InvalidArgumentError(f"td.keras.Model wraps a torch.nn.Module, got {type(module).__name__}.")
         self.module = module
@@ -81,7 +84,7 @@ class Model(nn.Module):
         # The scope we are made in; the parameters' owner wins when they say otherwise.
         self._strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
         self.stop_training = False
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer | LossScaleOptimizer | None = None
         self.history: History | None = None
         self.compiled = False
         self.steps_per_execution = 1
@@ -136,29 +139,39 @@ class Model(nn.Module):
     # -- compile ---------------------------------------------------------------------------------
     def compile(
         self,
-        optimizer: str | optimizers_module.OptimizerSpec | torch.optim.Optimizer | Callable[..., Any] = "rmsprop",
+        optimizer: str | optimizers_module.OptimizerSpec | torch.optim.Optimizer | LossScaleOptimizer
+        | Callable[..., Any] = "rmsprop",
         loss: Any = None,
         metrics: Any = None,
         loss_weights: Sequence[float] | dict[str, float] | None = None,
         weighted_metrics: Any = None,
         steps_per_execution: int = 1,
+        auto_scale_loss: bool = True,
         **unused: Any,
     ) -> None:
         """Choose the optimizer, the loss and the metrics (strings, objects or functions).
 
         Objects are made in the model's strategy scope (the scope is re-entered here), so an
         ``optimizer="adam"`` sums gradients across replicas. ``steps_per_execution``: run that
-        many steps between two calls of the batch callbacks. ``run_eagerly`` and
-        ``jit_compile`` are accepted and ignored (PyTorch runs eagerly).
+        many steps between two calls of the batch callbacks. ``auto_scale_loss``: under the
+        ``"mixed_float16"`` policy, wrap the optimizer in a ``LossScaleOptimizer`` (as Keras
+        does). ``run_eagerly`` and ``jit_compile`` are accepted and ignored (PyTorch runs
+        eagerly).
         """
-        ignored = set(unused) - {"run_eagerly", "jit_compile", "auto_scale_loss"}
+        ignored = set(unused) - {"run_eagerly", "jit_compile"}
         if ignored:
             raise TypeError(f"compile() got unexpected keyword arguments {sorted(ignored)}.")
         if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise InvalidArgumentError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}.")
+        if not isinstance(auto_scale_loss, bool):
+            raise InvalidArgumentError(f"auto_scale_loss must be True or False, got {auto_scale_loss!r}.")
         strategy = self._resolve_strategy()
+        self._check_policy(strategy)
         with self._scope():
             self.optimizer = self._make_optimizer(optimizer, strategy)
+            if (auto_scale_loss and self.dtype_policy.needs_loss_scaling
+                    and not isinstance(self.optimizer, LossScaleOptimizer)):
+                self.optimizer = LossScaleOptimizer(self.optimizer)
             self.compiled_loss = LossesContainer(loss, loss_weights)
             self._loss_tracker = td_metrics.Mean(name="loss")
             self._output_loss_trackers = (
@@ -177,10 +190,23 @@ class Model(nn.Module):
         self.steps_per_execution = steps_per_execution
         self.compiled = True
 
-    def _make_optimizer(self, optimizer: Any, strategy: Any) -> torch.optim.Optimizer:
+    def _check_policy(self, strategy: Any) -> None:
+        """Refuse a compute dtype the model's devices cannot autocast to."""
+        dtype = self.dtype_policy.autocast_dtype
+        if dtype is None:
+            return
+        if strategy.is_default:
+            devices = {t.device.type for t in [*self.parameters(), *self.buffers()]} or {"cpu"}
+        else:
+            devices = {d.type for d in strategy.extended.replica_devices}
+        for device_type in sorted(devices):
+            check_autocast(device_type, dtype)
+
+    def _make_optimizer(self, optimizer: Any, strategy: Any) -> torch.optim.Optimizer | LossScaleOptimizer:
         params = [p for p in self.parameters() if p.requires_grad]
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if not strategy.is_default and owner_of(optimizer) is not strategy:
+        if isinstance(optimizer, (torch.optim.Optimizer, LossScaleOptimizer)):
+            inner = optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+            if not strategy.is_default and owner_of(inner) is not strategy:
                 raise UnmirroredStateError(
                     f"The {type(optimizer).__name__} given to compile was created outside "
                     f"{type(strategy).__name__}.scope(): gradients would not be summed across replicas. Create it "
@@ -227,7 +253,8 @@ class Model(nn.Module):
     def _replica_steps(self) -> ReplicaSteps:
         """The steps ``strategy.run`` distributes, for what ``compile`` (and ``fit``) set."""
         return ReplicaSteps(self, self.optimizer, self.compiled_loss, self.compiled_metrics,
-                            self._loss_tracker, self._output_loss_trackers, self._class_weight)
+                            self._loss_tracker, self._output_loss_trackers, self._class_weight,
+                            self.dtype_policy.autocast_dtype)
 
     # -- fit -----------------------------------------------------------------------------------------
     def fit(

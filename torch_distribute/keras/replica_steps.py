@@ -2,7 +2,9 @@
 
 Each replica trains (or tests, or predicts) on its rows of a global batch; in training its
 loss is its rows' share of the mean over the *global* batch, so summing the gradients over
-the replicas (``optimizer.step()`` does under a strategy) gives those of one device.
+the replicas (``optimizer.step()`` does under a strategy) gives those of one device. Under a
+mixed-precision policy the model runs under ``torch.autocast`` and its outputs are cast back
+to float32 before the loss and the metrics.
 
 >>> import torch, torch_distribute as td
 >>> from torch_distribute.keras.replica_steps import ReplicaSteps
@@ -23,6 +25,7 @@ from torch_distribute import nest
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
 from torch_distribute.keras.data_adapter import unpack
+from torch_distribute.mixed_precision import LossScaleOptimizer
 
 __all__ = ["ReplicaSteps"]
 
@@ -32,8 +35,10 @@ class ReplicaSteps:
 
     ``model`` is called with a batch's ``x`` (unpacked when a tuple or list). ``predict_step``
     needs nothing else; ``train_step`` and ``test_step`` need the loss, the metrics and the
-    loss tracker(s), and ``train_step`` the optimizer. ``class_weight`` is a table of weights
-    by class id (see ``training_loops.class_weights``), applied on top of the sample weights.
+    loss tracker(s), and ``train_step`` the optimizer (a ``LossScaleOptimizer`` scales the
+    loss). ``class_weight`` is a table of weights by class id (see
+    ``training_loops.class_weights``), applied on top of the sample weights.
+    ``autocast_dtype``: the dtype the model computes in under a mixed policy.
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class ReplicaSteps:
         loss_tracker: td_metrics.Mean | None = None,
         output_loss_trackers: Sequence[td_metrics.Mean] = (),
         class_weight: torch.Tensor | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -53,10 +59,18 @@ class ReplicaSteps:
         self.loss_tracker = loss_tracker
         self.output_loss_trackers = list(output_loss_trackers)
         self.class_weight = class_weight
+        self.autocast_dtype = autocast_dtype
 
     def call(self, x: Any) -> Any:
-        """The model's outputs on ``x`` (``model(*x)`` for a tuple or list of inputs)."""
-        return self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
+        """The model's outputs on ``x`` (``model(*x)`` for a tuple or list of inputs), in
+        float32 whatever the policy computes in."""
+        if self.autocast_dtype is None:
+            return self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
+        first = next((t for t in nest.flatten(x)[0] if isinstance(t, torch.Tensor)), None)
+        device_type = first.device.type if first is not None else "cpu"
+        with torch.autocast(device_type, dtype=self.autocast_dtype):
+            outputs = self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
+        return nest.map_structure(_to_float32, outputs)
 
     def weights_for(self, y: Any, sample_weight: Any) -> torch.Tensor | None:
         """The per-sample weights: ``sample_weight`` times the weight of each row's class."""
@@ -85,6 +99,8 @@ class ReplicaSteps:
         total, parts = self.loss(y, y_pred, weight)
         # This replica's share of the mean over the global batch: gradients are summed over replicas.
         loss = total.sum() / global_rows if global_rows else total.sum() * 0.0
+        if isinstance(self.optimizer, LossScaleOptimizer):
+            loss = self.optimizer.get_scaled_loss(loss)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -106,3 +122,9 @@ class ReplicaSteps:
         x, _, _ = unpack(batch)
         with torch.no_grad():
             return self.call(x)
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.float()
+    return value

@@ -21,6 +21,14 @@ This is the only module that touches torch's classes, and it is installed once p
   each gets a thin wrapper: outside ``run`` of a strategy with several replicas it calls
   torch's method at once; inside, it runs it once in a ``merge_call``, after
   ``extended.apply_to_global_gradients``.
+- Gradient clipping: ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` called by
+  every replica must clip the gradient summed over every replica and worker, else each
+  replica clips its own and the norm is not the global one. Inside ``run`` with several
+  replicas they run once in a ``merge_call`` after ``apply_to_global_gradients`` of the
+  optimizers holding the parameters. Users often bind them by name (``from torch.nn.utils
+  import clip_grad_norm_``) before a strategy exists, so the function that torch's
+  ``_no_grad`` decorator wraps is replaced inside it: every reference, however imported,
+  goes through the wrapper.
 - A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
   outside the scope when several replicas would each step it.
 
@@ -43,6 +51,7 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.utils import clip_grad
 from torch.optim import lr_scheduler
 from torch.optim import optimizer as optimizer_module
 
@@ -192,6 +201,63 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
     return method
 
 
+def _optimizers_holding(strategy: Any, params: list[torch.Tensor], function: str) -> list[torch.optim.Optimizer]:
+    """The optimizers made in ``strategy``'s scope that hold ``params``; every one must be held."""
+    wanted = {id(p) for p in params}
+    holding = []
+    for optimizer, owner in list(_owners.items()):
+        if owner is not strategy or not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]} & wanted
+        if held:
+            holding.append(optimizer)
+            wanted -= held
+    if wanted:
+        raise UnmirroredStateError(
+            f"{function}() inside strategy.run() with {strategy.num_replicas_in_sync} replicas clips "
+            "the gradient summed over every replica, which exists only for the parameters of an "
+            f"optimizer created inside strategy.scope(); {len(wanted)} of the {len(params)} "
+            "parameters given are in no such optimizer. Create the module and its optimizer "
+            "inside `with strategy.scope():`."
+        )
+    return holding
+
+
+def _wrap_clipping(original: Any) -> Any:
+    @functools.wraps(original)
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        replica = context.get_replica_context()
+        if replica is None or replica.num_replicas_in_sync == 1:
+            return original(parameters, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        strategy = replica.strategy
+        optimizers = _optimizers_holding(strategy, params, original.__name__)
+
+        def once(_strategy: Any) -> Any:
+            call = functools.partial(original, params, *args, **kwargs)
+            for optimizer in optimizers:
+                call = functools.partial(strategy.extended.apply_to_global_gradients, optimizer, call)
+            with torch.no_grad():
+                return call()
+
+        return replica.merge_call(once)
+
+    return clip
+
+
+def _wrap_inside_no_grad(public: Any) -> None:
+    """Replace the function that torch's ``_no_grad`` decorator calls inside ``public`` by the
+    clipping wrapper of it; where torch is laid out otherwise, replace the module attributes."""
+    cells = public.__closure__ or ()
+    inner = [c for c in cells if getattr(c.cell_contents, "__name__", None) == public.__name__]
+    if len(inner) == 1 and callable(inner[0].cell_contents):
+        inner[0].cell_contents = _wrap_clipping(inner[0].cell_contents)
+        return
+    wrapped = _wrap_clipping(public)
+    setattr(clip_grad, public.__name__, wrapped)
+    setattr(torch.nn.utils, public.__name__, wrapped)
+
+
 def _check_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     replica = context.get_replica_context()
     if replica is not None and replica.num_replicas_in_sync > 1 and optimizer not in _owners:
@@ -218,4 +284,6 @@ def install() -> None:
         scaler.unscale_ = _wrap_scaler_method(scaler.unscale_, takes_optimizer=True)
         scaler.step = _wrap_scaler_method(scaler.step, takes_optimizer=True)
         scaler.update = _wrap_scaler_method(scaler.update, takes_optimizer=False)
+        _wrap_inside_no_grad(clip_grad.clip_grad_norm_)
+        _wrap_inside_no_grad(clip_grad.clip_grad_value_)
         _installed = True
