@@ -138,3 +138,11 @@ def test_a_dtype_the_device_cannot_compute_in_is_refused_at_compile(monkeypatch)
         model = td.keras.Model(nn.Linear(2, 1), dtype="mixed_float16")
     with pytest.raises(td.UnsupportedDtypeError, match="'cpu' cannot compute in torch.float16.*bfloat16"):
         model.compile("sgd", "mse")
+
+
+def test_calling_the_model_in_a_custom_loop_computes_under_its_policy():
+    mp.set_global_policy("mixed_bfloat16")
+    model = td.keras.Model(nn.Linear(4, 2))
+    seen = []
+    model.module.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    assert model(torch.ones(1, 4)).dtype == torch.float32 and seen == [torch.bfloat16]

@@ -5,7 +5,7 @@ A policy names the dtype a model computes in and the dtype its parameters are ke
 ``torch.autocast`` and keep the parameters, the loss and the metrics in float32; under
 ``"mixed_float16"`` ``compile`` wraps the optimizer in a ``LossScaleOptimizer`` (dynamic
 loss scaling), as Keras does. A model takes the global policy when it is made, or its own
-``dtype=``.
+``dtype=``; calling it (in ``fit`` or in a custom loop) computes under the policy.
 
 >>> import torch, torch_distribute as td
 >>> td.keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -18,13 +18,16 @@ loss scaling), as Keras does. A model takes the global policy when it is made, o
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from torch_distribute import nest
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.mixed_precision import LossScaleOptimizer
 
-__all__ = ["LossScaleOptimizer", "Policy", "global_policy", "set_global_policy"]
+__all__ = ["LossScaleOptimizer", "Policy", "call_under_policy", "global_policy", "set_global_policy"]
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "mixed_float16": torch.float16, "mixed_bfloat16": torch.bfloat16}
 
@@ -96,3 +99,21 @@ def set_global_policy(policy: Policy | str | None) -> None:
 def global_policy() -> Policy:
     """The policy a model made now takes."""
     return _global
+
+
+def call_under_policy(policy: Policy, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` under ``torch.autocast`` to the policy's compute dtype (on the
+    device of the first tensor argument), with floating outputs cast back to float32."""
+    dtype = policy.autocast_dtype
+    if dtype is None:
+        return call(*args, **kwargs)
+    first = next((t for t in nest.flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+    with torch.autocast(first.device.type if first is not None else "cpu", dtype=dtype):
+        outputs = call(*args, **kwargs)
+    return nest.map_structure(_to_float32, outputs)
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.float()
+    return value

@@ -39,7 +39,7 @@ from torch_distribute.keras import training_loops
 from torch_distribute.keras.callbacks.base import Callback
 from torch_distribute.keras.callbacks.history import History
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
-from torch_distribute.keras.mixed_precision import Policy, global_policy
+from torch_distribute.keras.mixed_precision import Policy, call_under_policy, global_policy
 from torch_distribute.keras.replica_steps import ReplicaSteps
 from torch_distribute.mixed_precision import LossScaleOptimizer, check_autocast
 from torch_distribute.strategies import owner_of
@@ -93,6 +93,9 @@ class Model(nn.Module):
         self.compiled_loss: LossesContainer | None = None
         self.compiled_metrics: MetricsContainer | None = None
         self._class_weight: torch.Tensor | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return call_under_policy(self.dtype_policy, super().__call__, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module is None:
@@ -253,8 +256,7 @@ class Model(nn.Module):
     def _replica_steps(self) -> ReplicaSteps:
         """The steps ``strategy.run`` distributes, for what ``compile`` (and ``fit``) set."""
         return ReplicaSteps(self, self.optimizer, self.compiled_loss, self.compiled_metrics,
-                            self._loss_tracker, self._output_loss_trackers, self._class_weight,
-                            self.dtype_policy.autocast_dtype)
+                            self._loss_tracker, self._output_loss_trackers, self._class_weight)
 
     # -- fit -----------------------------------------------------------------------------------------
     def fit(

@@ -2,9 +2,7 @@
 
 Each replica trains (or tests, or predicts) on its rows of a global batch; in training its
 loss is its rows' share of the mean over the *global* batch, so summing the gradients over
-the replicas (``optimizer.step()`` does under a strategy) gives those of one device. Under a
-mixed-precision policy the model runs under ``torch.autocast`` and its outputs are cast back
-to float32 before the loss and the metrics.
+the replicas (``optimizer.step()`` does under a strategy) gives those of one device.
 
 >>> import torch, torch_distribute as td
 >>> from torch_distribute.keras.replica_steps import ReplicaSteps
@@ -38,7 +36,6 @@ class ReplicaSteps:
     loss tracker(s), and ``train_step`` the optimizer (a ``LossScaleOptimizer`` scales the
     loss). ``class_weight`` is a table of weights by class id (see
     ``training_loops.class_weights``), applied on top of the sample weights.
-    ``autocast_dtype``: the dtype the model computes in under a mixed policy.
     """
 
     def __init__(
@@ -50,7 +47,6 @@ class ReplicaSteps:
         loss_tracker: td_metrics.Mean | None = None,
         output_loss_trackers: Sequence[td_metrics.Mean] = (),
         class_weight: torch.Tensor | None = None,
-        autocast_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -59,18 +55,10 @@ class ReplicaSteps:
         self.loss_tracker = loss_tracker
         self.output_loss_trackers = list(output_loss_trackers)
         self.class_weight = class_weight
-        self.autocast_dtype = autocast_dtype
 
     def call(self, x: Any) -> Any:
-        """The model's outputs on ``x`` (``model(*x)`` for a tuple or list of inputs), in
-        float32 whatever the policy computes in."""
-        if self.autocast_dtype is None:
-            return self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
-        first = next((t for t in nest.flatten(x)[0] if isinstance(t, torch.Tensor)), None)
-        device_type = first.device.type if first is not None else "cpu"
-        with torch.autocast(device_type, dtype=self.autocast_dtype):
-            outputs = self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
-        return nest.map_structure(_to_float32, outputs)
+        """The model's outputs on ``x`` (``model(*x)`` for a tuple or list of inputs)."""
+        return self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
 
     def weights_for(self, y: Any, sample_weight: Any) -> torch.Tensor | None:
         """The per-sample weights: ``sample_weight`` times the weight of each row's class."""
@@ -123,8 +111,3 @@ class ReplicaSteps:
         with torch.no_grad():
             return self.call(x)
 
-
-def _to_float32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
-        return value.float()
-    return value
