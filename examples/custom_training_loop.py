@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint-dir", default=None,
         help="default: a new temporary folder (multiworker: <tmp>/td_training_checkpoints, shared by the workers)",
     )
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the replica steps with td.function (the tutorial's @tf.function)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser.parse_args(argv)
@@ -146,6 +148,10 @@ def main(argv: list[str] | None = None) -> float:
 
     def distributed_test_step(dataset_inputs: td.PerReplica) -> None:
         strategy.run(test_step, args=(dataset_inputs,))
+
+    if args.compile:  # the tutorial decorates both with @tf.function
+        distributed_train_step = td.function(distributed_train_step)
+        distributed_test_step = td.function(distributed_test_step)
 
     for epoch in range(EPOCHS):
         started = time.perf_counter()

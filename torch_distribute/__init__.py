@@ -29,6 +29,7 @@ from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
+from torch_distribute.compiled_function import Function, function
 from torch_distribute.context import (
     get_replica_context,
     get_strategy,
@@ -94,6 +95,7 @@ __all__ = [
     "DatasetError",
     "DistributeError",
     "DistributedValues",
+    "Function",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
@@ -124,6 +126,7 @@ __all__ = [
     "cluster_resolver",
     "estimator",
     "compute_average_loss",
+    "function",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

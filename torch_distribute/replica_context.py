@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from torch_distribute import context
 from torch_distribute.collectives import differentiable
 from torch_distribute.errors import InvalidArgumentError
@@ -57,6 +59,7 @@ class ReplicaContext:
     def devices(self) -> tuple[Any, ...]:
         return (self._strategy.extended.worker_devices[self.local_replica_id],)
 
+    @torch.compiler.disable
     def merge_call(
         self,
         merge_fn: Callable[..., Any],
@@ -66,7 +69,8 @@ class ReplicaContext:
         """Run ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
 
         Per-replica arguments arrive as ``PerReplica``; ``PerReplica`` results are handed
-        back to each replica as its own component.
+        back to each replica as its own component. Under ``torch.compile`` it runs eagerly,
+        between two graphs: it meets the other replicas.
         """
         if not isinstance(args, tuple):
             raise InvalidArgumentError(

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_distribute import context, nest
+from torch_distribute import compiled_function, context, nest
 from torch_distribute.errors import ContextError, InvalidArgumentError, InvalidAxisError
 from torch_distribute.input import (
     DatasetFromFunction,
@@ -126,6 +126,7 @@ class Strategy:
             self._extended.finish_scope()
 
     # -- running ---------------------------------------------------------------------------
+    @torch.compiler.disable  # a caller's graph ends here; the replicas' steps compile on their own
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any:
         """Call ``fn(*args, **kwargs)`` once per replica; return per-replica results.
 
@@ -148,7 +149,7 @@ class Strategy:
                 "strategy.run() was called inside a replica function; call the inner function "
                 "directly (it already runs once per replica)."
             )
-        return self._extended.call_for_each_replica(fn, tuple(args), kwargs or {})
+        return self._extended.call_for_each_replica(compiled_function.for_replicas(fn), tuple(args), kwargs or {})
 
     # -- reductions -------------------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

@@ -29,6 +29,8 @@ This is the only module that touches torch's classes, and it is installed once p
   import clip_grad_norm_``) before a strategy exists, so the function that torch's
   ``_no_grad`` decorator wraps is replaced inside it: every reference, however imported,
   goes through the wrapper.
+- Under ``torch.compile`` every routed method runs eagerly (``torch.compiler.disable``): it
+  meets the other replicas, which no graph can hold, and the update must stay exact.
 - A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
   outside the scope when several replicas would each step it.
 
@@ -114,6 +116,11 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
     return strategy.extended.capture_parameter(module, name, buffer, is_buffer=True)
 
 
+def _eager(fn: Any) -> Any:
+    """``fn``, never traced by torch.compile (it runs eagerly between two graphs)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _route_optimizer(optimizer: torch.optim.Optimizer, extended: Any) -> None:
     step = optimizer.step  # torch's bound step, hooks and profiling included
     zero_grad = optimizer.zero_grad
@@ -125,8 +132,8 @@ def _route_optimizer(optimizer: torch.optim.Optimizer, extended: Any) -> None:
         extended.optimizer_zero_grad(self, zero_grad, set_to_none)
 
     # Bound methods, as torch's own: LRScheduler re-wraps ``optimizer.step.__func__``.
-    optimizer.step = types.MethodType(routed_step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(routed_zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer.step = types.MethodType(_eager(routed_step), optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(_eager(routed_zero_grad), optimizer)  # type: ignore[method-assign]
 
 
 def _route_scheduler(scheduler: Any, extended: Any) -> None:
@@ -135,7 +142,7 @@ def _route_scheduler(scheduler: Any, extended: Any) -> None:
     def routed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         return extended.scheduler_step(self, step, args, kwargs)
 
-    scheduler.step = types.MethodType(routed_step, scheduler)
+    scheduler.step = types.MethodType(_eager(routed_step), scheduler)
 
 
 def _wrap_optimizer_init(original: Any) -> Any:
@@ -198,7 +205,7 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
 
         return replica.merge_call(once)
 
-    return method
+    return _eager(method)
 
 
 def _optimizers_holding(strategy: Any, params: list[torch.Tensor], function: str) -> list[torch.optim.Optimizer]:
@@ -242,7 +249,7 @@ def _wrap_clipping(original: Any) -> Any:
 
         return replica.merge_call(once)
 
-    return clip
+    return _eager(clip)
 
 
 def _wrap_inside_no_grad(public: Any) -> None:

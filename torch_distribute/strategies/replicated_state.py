@@ -19,10 +19,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from torch_distribute.collectives import CrossDeviceOps
 from torch_distribute.errors import UnmirroredStateError
+
+# Set on the user's buffers made in a scope (parameters are recognised by their type).
+MIRRORED_BUFFER = "_torch_distribute_mirrored"
 
 
 class MirroredTensor:
@@ -95,6 +99,8 @@ class ReplicatedState:
 
     def register(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
         key = id(tensor)
+        if is_buffer:
+            setattr(tensor, MIRRORED_BUFFER, True)
         record = MirroredTensor(tensor, is_buffer, norm_layer)
         self._records[key] = record
         self._fresh.append(record)
@@ -223,11 +229,17 @@ class ReplicaTensorMode(TorchFunctionMode):
 
     With ``strict`` (more than one replica), an ``nn.Parameter`` that is not mirrored means a
     module was made outside ``strategy.scope()``: training it would silently diverge, so it
-    raises ``UnmirroredStateError``.
+    raises ``UnmirroredStateError``. ``torch.compile`` traces through this mode, so a compiled
+    module or step computes with each replica's copies, one graph per replica (the fake
+    parameters dynamo makes while tracing are let through).
     """
 
     def __init__(self, state: ReplicatedState, local_replica_id: int, strict: bool):
         super().__init__()
+        # Replica 0 of a mirrored strategy computes with the user's tensors themselves. Under
+        # torch.compile this flag is also what keeps each replica's graph its own: dynamo
+        # guards on it, so no replica runs a graph traced with another one's tensors.
+        self._passthrough = local_replica_id == 0 and state.replica0_is_primary
         # Built once per run: primary id -> (primary, this replica's copy). Holding the primary
         # makes the identity check exact (an id is never reused while the pair is held).
         self._table = {
@@ -240,10 +252,14 @@ class ReplicaTensorMode(TorchFunctionMode):
 
     def _swap(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
+            # Only parameters and marked buffers can be mirrored: asking for any other tensor's
+            # id would make torch.compile guard on it and recompile for every new batch.
+            if not (isinstance(value, nn.Parameter) or getattr(value, MIRRORED_BUFFER, False)):
+                return value
             entry = self._table.get(id(value))
             if entry is not None and entry[0] is value:
                 return entry[1]
-            if self._strict and isinstance(value, nn.Parameter):
+            if self._strict and isinstance(value, nn.Parameter) and not is_fake(value):
                 raise UnmirroredStateError(
                     f"A parameter of shape {tuple(value.shape)} that was not registered on a "
                     "module inside strategy.scope() is used inside strategy.run() with "
@@ -257,6 +273,8 @@ class ReplicaTensorMode(TorchFunctionMode):
         return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._passthrough:
+            return func(*args, **(kwargs or {}))
         args = tuple(self._swap(a) for a in args)
         if kwargs:
             kwargs = {k: self._swap(v) for k, v in kwargs.items()}

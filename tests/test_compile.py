@@ -1,0 +1,132 @@
+"""torch.compile and td.function under every strategy: a compiled module, a compiled replica
+step and ``@td.function`` on the distributed step give eager's numbers (one graph per replica,
+a ragged last batch included), and the graphs stay few."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import torch_distribute as td
+
+pytestmark = pytest.mark.timeout(300)
+
+GLOBAL_BATCH = 16
+STRATEGIES = {
+    "one": lambda: td.OneDeviceStrategy("cpu"),
+    "mirrored2": lambda: td.MirroredStrategy(["cpu:0", "cpu:1"]),
+    "central2": lambda: td.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+    "mwms1": lambda: td.MultiWorkerMirroredStrategy(devices=["cpu:0", "cpu:1"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def make_data(epochs: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    epoch = [(torch.randn(GLOBAL_BATCH, 8, generator=generator), torch.randn(GLOBAL_BATCH, 1, generator=generator))
+             for _ in range(4)]
+    epoch.append((torch.randn(10, 8, generator=generator), torch.randn(10, 1, generator=generator)))  # ragged
+    return epoch * epochs
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def state(model: nn.Module) -> torch.Tensor:
+    return torch.cat([t.detach().float().reshape(-1) for t in [*model.parameters(), *model.buffers()]])
+
+
+def train(strategy, compile_where: str | None, epochs: int = 1):
+    """Train on ``make_data``; ``compile_where``: None (eager), "module_in_scope",
+    "module_outside", "step" (torch.compile on the replica step) or "function" (td.function
+    on the distributed step). Returns the final state, the losses and the function."""
+    with strategy.scope():
+        model, optimizer = build()
+        forward = torch.compile(model) if compile_where == "module_in_scope" else model
+    if compile_where == "module_outside":
+        forward = torch.compile(model)
+
+    def replica_step(x, y):
+        loss = td.compute_average_loss(((forward(x) - y) ** 2).squeeze(1), global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    step = torch.compile(replica_step) if compile_where == "step" else replica_step
+
+    def distributed_step(x, y):
+        return strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
+
+    if compile_where == "function":
+        distributed_step = td.function(distributed_step)
+    losses = [float(distributed_step(x, y)) for x, y in strategy.experimental_distribute_dataset(make_data(epochs))]
+    for replica_model in strategy.experimental_local_results(model):
+        torch.testing.assert_close(state(replica_model), state(model), rtol=0, atol=0)
+    return state(model), losses, distributed_step
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("compile_where", ["module_in_scope", "module_outside", "function"])
+def test_compiled_training_matches_eager(name, compile_where):
+    want, want_losses, _ = train(STRATEGIES[name](), None)
+    got, losses, _ = train(STRATEGIES[name](), compile_where)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    replicas = STRATEGIES[name]().num_replicas_in_sync
+    # One graph per replica and batch shape (the ragged batch adds one): no recompile storm.
+    assert counters["stats"]["unique_graphs"] <= 2 * replicas * 3
+
+
+def test_a_compiled_replica_step_matches_eager_under_mirrored():
+    want, _, _ = train(STRATEGIES["mirrored2"](), None)
+    got, _, _ = train(STRATEGIES["mirrored2"](), "step")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_td_function_compiles_each_replica_once_and_not_again_in_the_next_epoch():
+    strategy = STRATEGIES["mirrored2"]()
+    _, _, function = train(strategy, "function", epochs=1)
+    after_one_epoch = function.experimental_get_tracing_count()
+    assert after_one_epoch >= strategy.num_replicas_in_sync
+    torch._dynamo.reset()
+    strategy = STRATEGIES["mirrored2"]()
+    _, _, function = train(strategy, "function", epochs=3)
+    assert function.experimental_get_tracing_count() == after_one_epoch
+
+
+def test_td_function_on_a_function_without_run_compiles_it_whole():
+    model, _ = build()
+    model.eval()
+
+    @td.function
+    def predict(x):
+        return torch.relu(model(x)) * 2
+
+    x = torch.randn(4, 8)
+    want = torch.relu(model(x)) * 2
+    for _ in range(3):
+        torch.testing.assert_close(predict(x), want)
+    assert predict.experimental_get_tracing_count() == 1 and predict.__name__ == "predict"
+
+
+def test_td_function_options():
+    assert td.function(mode="max-autotune-no-cudagraphs", dynamic=True)(lambda x: x + 1)(torch.ones(2)).tolist() == [2, 2]
+    with pytest.raises(td.InvalidArgumentError, match="mode must be one of"):
+        td.function(lambda x: x, mode="fastest")
+    with pytest.raises(td.InvalidArgumentError, match="fullgraph must be True, False or None"):
+        td.function(lambda x: x, fullgraph="yes")
+    with pytest.raises(td.InvalidArgumentError, match="decorates a callable"):
+        td.function(3)
