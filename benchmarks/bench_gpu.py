@@ -1,8 +1,25 @@
-"""GPU: our strategies on one CUDA device vs the hand-written loop and vs DDP (NCCL, 1 rank).
+"""GPU: our strategies on one CUDA device vs the hand-written loop and vs DDP (NCCL, 1 rank),
+in float32, bfloat16 autocast and float16 autocast with a GradScaler.
 
-A small ResNet-style CNN on synthetic 3x32x32 images, Adam, global batch 256, bfloat16
-autocast optional. Each variant runs in its own process, several times, alternating, and
-reports milliseconds per step (CUDA-synchronised); the table gives throughput ratios.
+A small ResNet-style CNN on synthetic 3x32x32 images, Adam, global batch 256. Every
+(precision, variant) pair runs in its own process, several rounds, alternating (in each
+round every precision, and within it every variant, in turn), and reports milliseconds per
+step (CUDA-synchronised after the warmup and after the timed steps). The table gives, per
+precision, the median ms/step of each variant and the throughput ratio hand-written /
+variant (above 1: the variant is faster), both from the rounds of this one invocation.
+
+Precisions (``--precision``, default ``all``: the three in one invocation, one table):
+
+* ``float32``: no autocast.
+* ``bf16``: the forward pass and the loss under ``torch.autocast("cuda", dtype=torch.bfloat16)``.
+* ``fp16``: the same under ``torch.float16``, with a ``torch.amp.GradScaler("cuda")`` (default
+  settings) used as PyTorch documents it: ``scaler.scale(loss).backward()``,
+  ``scaler.step(optimizer)``, ``scaler.update()``, ``optimizer.zero_grad()``. The strategy
+  variants make the same calls inside ``strategy.run``; DDP uses a GradScaler too. The loss
+  scale after the warmup and after the timed steps is reported per variant (a halving is a
+  skipped step; they should agree across variants).
+
+Variants (``--variants``, comma-separated):
 
 * ``hand``: the plain PyTorch loop on ``cuda:0``.
 * ``one``: ``td.OneDeviceStrategy("cuda:0")``, ``strategy.run`` over a distributed dataset.
@@ -16,12 +33,20 @@ reports milliseconds per step (CUDA-synchronised); the table gives throughput ra
 
 Every variant moves its host batches to the GPU inside the timed loop.
 
-Run on a GPU machine: ``python benchmarks/bench_gpu.py [--steps 50 --rounds 3 --bf16]``.
+Run on a GPU machine (without CUDA it exits with a message; ``--device cpu`` only checks that
+the script runs)::
+
+    python benchmarks/bench_gpu.py                        # all precisions, 50 steps x 3 rounds
+    python benchmarks/bench_gpu.py --precision fp16 --steps 30 --rounds 2 --variants hand,one,ddp
+
+The last line printed is ``GPUBENCH {json}`` with every number (medians, each round's time,
+ratios, fp16 loss scales).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -37,6 +62,9 @@ from torch import nn
 GLOBAL_BATCH = 256
 HERE = os.path.abspath(__file__)
 RESULT = "GPUBENCH "
+PRECISIONS = ("float32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+VARIANTS = ("hand", "one", "central", "mwms", "ddp")
 
 
 class Block(nn.Module):
@@ -67,16 +95,33 @@ def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, y)] * n
 
 
-def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> torch.Tensor:
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-        logits = model(x)
-    return F.cross_entropy(logits.float(), y, reduction="none")
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> torch.Tensor:
+    """Per-example losses; the forward pass and the loss under autocast, as PyTorch documents
+    (cross_entropy autocasts to float32 by itself)."""
+    dtype = AUTOCAST_DTYPES[precision]
+    region = contextlib.nullcontext() if dtype is None else torch.autocast(x.device.type, dtype=dtype)
+    with region:
+        return F.cross_entropy(model(x), y, reduction="none")
 
 
-def run_variant(variant: str, steps: int, warmup: int, bf16: bool, device_name: str) -> float:
-    """Seconds per step of one variant in this process."""
+def backward_and_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The same calls in every variant (inside ``strategy.run`` for ours)."""
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+
+
+def run_variant(variant: str, steps: int, warmup: int, precision: str, device_name: str) -> dict:
+    """Seconds per step of one variant in this process (and, for fp16, the loss scale)."""
     batches = make_batches(warmup + steps)
     on_gpu = device_name.startswith("cuda")
+    # Where the loss is computed (the compute device, also for central storage).
+    scaler = torch.amp.GradScaler(torch.device(device_name).type) if precision == "fp16" else None
     if variant in ("hand", "ddp"):
         device = torch.device(device_name)
         model = make_model().to(device)
@@ -89,10 +134,7 @@ def run_variant(variant: str, steps: int, warmup: int, bf16: bool, device_name: 
 
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, y = (t.to(device, non_blocking=True) for t in batch)
-            loss = loss_of(model, x, y, bf16).sum() / GLOBAL_BATCH
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            backward_and_step(loss_of(model, x, y, precision).sum() / GLOBAL_BATCH, opt, scaler)
 
         data = batches
     else:
@@ -111,10 +153,8 @@ def run_variant(variant: str, steps: int, warmup: int, bf16: bool, device_name: 
             opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
         def replica_step(x: torch.Tensor, y: torch.Tensor) -> None:
-            loss = td.compute_average_loss(loss_of(model, x, y, bf16), global_batch_size=GLOBAL_BATCH)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            loss = td.compute_average_loss(loss_of(model, x, y, precision), global_batch_size=GLOBAL_BATCH)
+            backward_and_step(loss, opt, scaler)
 
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             strategy.run(replica_step, args=batch)
@@ -126,11 +166,14 @@ def run_variant(variant: str, steps: int, warmup: int, bf16: bool, device_name: 
     for _ in range(warmup):
         runner(next(batch_iterator))
     synchronize()
+    scale_after_warmup = scaler.get_scale() if scaler is not None else None
     started = time.perf_counter()
     for batch in batch_iterator:
         runner(batch)
     synchronize()
-    return (time.perf_counter() - started) / steps
+    seconds = (time.perf_counter() - started) / steps
+    scales = None if scaler is None else [scale_after_warmup, scaler.get_scale()]
+    return {"s_per_step": seconds, "loss_scale": scales}
 
 
 def free_port() -> int:
@@ -139,11 +182,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(variant: str, args: argparse.Namespace) -> float:
-    child = [HERE, "--child", variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
-             "--device", args.device]
-    if args.bf16:
-        child.append("--bf16")
+def spawn(variant: str, precision: str, args: argparse.Namespace) -> dict:
+    child = [HERE, "--child", variant, "--precision", precision, "--steps", str(args.steps),
+             "--warmup", str(args.warmup), "--device", args.device]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if variant == "mwms":
         cmd = [sys.executable, "-m", "torch_distribute.launch", "--nproc", "1", *child]
@@ -153,41 +194,74 @@ def spawn(variant: str, args: argparse.Namespace) -> float:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
         if RESULT in line:
-            return json.loads(line.split(RESULT, 1)[1])["s_per_step"]
-    raise RuntimeError(f"{variant} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+            return json.loads(line.split(RESULT, 1)[1])
+    raise RuntimeError(f"{variant} ({precision}) failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--variants", default="hand,one,central,mwms,ddp")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="Without CUDA it exits with a message; --device cpu only checks that the script runs.")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per process (default 50)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per (precision, variant); medians")
+    parser.add_argument("--precision", choices=[*PRECISIONS, "all"], default="all",
+                        help="float32, bf16 (bfloat16 autocast), fp16 (float16 autocast + GradScaler), "
+                             "or all three in one run (default)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--device", default="cuda:0", help="cpu only checks that the script runs")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(RESULT + json.dumps({"s_per_step": run_variant(args.child, args.steps, args.warmup, args.bf16, args.device)}))
+        if args.precision == "all":
+            parser.error("a child process runs one precision")
+        result = run_variant(args.child, args.steps, args.warmup, args.precision, args.device)
+        print(RESULT + json.dumps(result))
         return
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench_gpu.py needs a CUDA GPU and torch.cuda.is_available() is False here. "
+                 "(--device cpu only checks that the script runs; its numbers mean nothing.)")
     variants = args.variants.split(",")
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}: use some of {', '.join(VARIANTS)}")
+    precisions = list(PRECISIONS) if args.precision == "all" else [args.precision]
+
+    times: dict[str, dict[str, list[float]]] = {p: {v: [] for v in variants} for p in precisions}
+    loss_scales: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        for variant in variants:
-            times[variant].append(spawn(variant, args))
-    med = {v: statistics.median(t) for v, t in times.items()}
-    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
-    print(f"# {name}, global batch {GLOBAL_BATCH}, "
-          f"{'bf16 autocast' if args.bf16 else 'float32'}, {args.steps} steps x {args.rounds} rounds")
+        for precision in precisions:
+            for variant in variants:
+                result = spawn(variant, precision, args)
+                times[precision][variant].append(result["s_per_step"] * 1e3)
+                if result["loss_scale"] is not None:
+                    loss_scales[variant] = result["loss_scale"]  # the last round's
+
+    med = {p: {v: statistics.median(t) for v, t in times[p].items()} for p in precisions}
+    ratio = {p: {v: med[p]["hand"] / med[p][v] for v in variants if v != "hand"} if "hand" in variants else {}
+             for p in precisions}
+    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU (a check of the script)"
+    print(f"# {name}, global batch {GLOBAL_BATCH}, {args.steps} steps x {args.rounds} rounds, medians in ms/step; "
+          "bf16: bfloat16 autocast; fp16: float16 autocast + GradScaler; "
+          "ratio: hand-written ms / variant ms (above 1: faster than hand-written)")
+    print(f"{'variant':>8}" + "".join(f" | {p + ' ms':>10} | {'ratio':>5}" for p in precisions))
     for v in variants:
-        print(f"{v:>8}: {med[v] * 1e3:7.2f} ms/step  (rounds: {', '.join(f'{t * 1e3:.2f}' for t in times[v])})")
-    if "hand" in med:
+        cells = [f" | {med[p][v]:10.2f} | " + (f"{ratio[p][v]:5.3f}" if v in ratio[p] else " " * 5) for p in precisions]
+        print(f"{v:>8}" + "".join(cells))
+    for p in precisions:
         for v in variants:
-            if v != "hand":
-                print(f"throughput {v} / hand: {med['hand'] / med[v]:.3f}")
-    if "mwms" in med and "ddp" in med:
-        print(f"throughput mwms / ddp: {med['ddp'] / med['mwms']:.3f}")
-    print(RESULT + json.dumps({"bf16": args.bf16, "ms_per_step": {v: m * 1e3 for v, m in med.items()}}))
+            print(f"rounds {p:>7} {v:>8}: {', '.join(f'{t:.2f}' for t in times[p][v])} ms/step")
+        if "mwms" in variants and "ddp" in variants:
+            print(f"throughput mwms / ddp, {p}: {med[p]['ddp'] / med[p]['mwms']:.3f}")
+    if loss_scales:
+        print("fp16 loss scale after warmup -> after the timed steps (last round): "
+              + ", ".join(f"{v} {s[0]:g} -> {s[1]:g}" for v, s in loss_scales.items()))
+    print(RESULT + json.dumps({
+        "device": name, "global_batch": GLOBAL_BATCH, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds, "precisions": precisions, "variants": variants,
+        "ms_per_step": med, "ratio_hand_over_variant": ratio, "rounds_ms_per_step": times,
+        "fp16_loss_scale": loss_scales,
+    }))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""GPU paths: CUDA replicas, NCCL, parameters on the host with compute on the GPU, bfloat16.
+"""GPU paths: CUDA replicas, NCCL, parameters on the host with compute on the GPU, bfloat16,
+and mixed precision (float16 autocast with GradScaler or LossScaleOptimizer inside run, Keras
+fit under mixed_float16 / mixed_bfloat16).
 
 Every test here needs a CUDA device and is skipped without one (CI has none); they are run
 on a GPU machine by hand. One GPU is enough: several workers share it over Gloo.
@@ -171,3 +173,193 @@ def test_multi_worker_bfloat16_autocast_trains():
     results = _launch_gpu_workers(1, "--implementation", "nccl", "--bf16", "--epochs", "3")
     losses = results[0]["losses"]
     assert losses[-1] < losses[0]
+
+
+# -- mixed precision on one GPU ------------------------------------------------------------------
+# Devices may not repeat in a strategy (MirroredStrategy(["cuda:0", "cuda:0"]) is refused), so
+# with one GPU the strategies under test are OneDeviceStrategy on it and CentralStorageStrategy
+# computing on it with the parameters (and the optimizer's update) on the host. A CUDA and a
+# CPU replica together are not used with a CUDA GradScaler: torch's GradScaler moves its scale
+# and found-inf flags between devices with non_blocking copies, and a non_blocking copy from
+# the GPU to the host may be read before it lands.
+AMP_STRATEGIES = {
+    "one": lambda: td.OneDeviceStrategy("cuda:0"),
+    "central": lambda: td.CentralStorageStrategy(["cuda:0"], parameter_device="cpu"),
+}
+AMP_GLOBAL_BATCH = 12
+AMP_STEPS = 8
+AMP_INJECT_STEP = 4
+AMP_INIT_SCALE = 2.0**8
+AMP_GROWTH_INTERVAL = 3
+AMP_LR = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _float32_policy_afterwards():
+    yield
+    td.keras.mixed_precision.set_global_policy("float32")
+
+
+def amp_data(inject_row: int | None = None):
+    """Global batches on the host; with ``inject_row``, that row of batch ``AMP_INJECT_STEP``
+    holds an inf (a non-finite loss, hence non-finite gradients, in that step only)."""
+    data = batches(n_batches=AMP_STEPS, global_batch=AMP_GLOBAL_BATCH)
+    if inject_row is not None:
+        x, y = data[AMP_INJECT_STEP]
+        x = x.clone()
+        x[inject_row, 0, 0, 0] = float("inf")
+        data[AMP_INJECT_STEP] = (x, y)
+    return data
+
+
+def amp_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cuda", init_scale=AMP_INIT_SCALE, growth_interval=AMP_GROWTH_INTERVAL)
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def train_fp16_plain(initial: list[torch.Tensor], data) -> tuple[torch.Tensor, list[float]]:
+    """The hand-written float16 loop on ``cuda``, as PyTorch documents automatic mixed
+    precision, from the given initial parameters; returns the parameters and the scales."""
+    model = make_cnn().to("cuda")
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), initial, strict=True):
+            p.copy_(value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
+    scaler = amp_scaler()
+    scales = []
+    for x, y in data:
+        x, y = x.to("cuda"), y.to("cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y, reduction="none").sum() / x.shape[0]
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return flat(model), scales
+
+
+def train_fp16_with(strategy, data, loss_scale_optimizer: bool = False):
+    """float16 autocast inside ``strategy.run``, with a GradScaler used as PyTorch documents
+    it, or with ``td.mixed_precision.LossScaleOptimizer``. Returns the initial and the final
+    parameters (flat, on the host), the scale after every step, whether the parameters stayed
+    bitwise unchanged over step ``AMP_INJECT_STEP``, and the model."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = make_cnn()
+        optimizer = torch.optim.SGD(model.parameters(), lr=AMP_LR)
+        if loss_scale_optimizer:
+            optimizer = td.mixed_precision.LossScaleOptimizer(
+                optimizer, initial_scale=AMP_INIT_SCALE, dynamic_growth_steps=AMP_GROWTH_INTERVAL)
+    initial = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    scaler = None if loss_scale_optimizer else amp_scaler()
+
+    def step(x, y):
+        assert x.device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.float16):
+            logits = model(x)
+            assert logits.dtype == torch.float16
+            loss = td.compute_average_loss(F.cross_entropy(logits, y, reduction="none"),
+                                           global_batch_size=AMP_GLOBAL_BATCH)
+        if loss_scale_optimizer:
+            optimizer.get_scaled_loss(loss).backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        return loss
+
+    scales, unchanged = [], None
+    for index, (x, y) in enumerate(strategy.experimental_distribute_dataset(data)):
+        before = flat(model)
+        strategy.run(step, args=(x, y))
+        scales.append(optimizer.loss_scale if loss_scale_optimizer else scaler.get_scale())
+        if index == AMP_INJECT_STEP:
+            unchanged = torch.equal(before, flat(model))
+    return initial, flat(model), scales, unchanged, model
+
+
+def assert_same_fp16_update(params: torch.Tensor, reference: torch.Tensor, initial: torch.Tensor) -> None:
+    """The two runs moved the parameters by the same amount, to float16 accuracy.
+
+    Both compute in float16 on the same GPU from the same parameters and rows, but cuDNN may
+    pick a different algorithm (another summation order) in each run, and an activation
+    rounded to float16 then differs by an ulp (2**-11 relative), which propagates into the
+    gradients and the updates: a relative difference of the updates of about 1e-3, not 1e-6.
+    A wrong gradient (a replica's share missing or doubled, scaled or unscaled twice) differs
+    by 10% or more, so 1e-2 tells the two apart.
+    """
+    moved, moved_reference = params - initial, reference - initial
+    relative = float((moved - moved_reference).norm() / moved_reference.norm())
+    assert relative < 1e-2, f"updates differ by {relative:.2e} (relative L2)"
+
+
+@pytest.mark.parametrize("loss_scale_optimizer", [False, True], ids=["grad_scaler", "loss_scale_optimizer"])
+@pytest.mark.parametrize("inject_row", [None, 0, AMP_GLOBAL_BATCH - 1])
+@pytest.mark.parametrize("name", list(AMP_STRATEGIES))
+def test_float16_loss_scaling_inside_run_matches_the_hand_written_loop(name, inject_row, loss_scale_optimizer):
+    """GradScaler("cuda") used as PyTorch documents it inside run, and LossScaleOptimizer:
+    the same parameters and scales as the hand-written float16 loop on the same global batches;
+    an inf in one replica's rows skips that step (parameters bitwise unchanged) and halves the
+    scale once."""
+    data = amp_data(inject_row)
+    strategy = AMP_STRATEGIES[name]()
+    initial, params, scales, unchanged, model = train_fp16_with(strategy, data, loss_scale_optimizer)
+    want_params, want_scales = train_fp16_plain(initial, data)
+
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert next(model.parameters()).device.type == ("cuda" if name == "one" else "cpu")
+    assert scales == want_scales  # the same steps skipped, the same growth
+    assert_same_fp16_update(params, want_params, torch.cat([t.reshape(-1) for t in initial]))
+    if inject_row is None:
+        assert max(scales) > AMP_INIT_SCALE and unchanged is False
+    else:
+        assert unchanged is True
+        assert scales[AMP_INJECT_STEP] == scales[AMP_INJECT_STEP - 1] / 2
+        assert scales[AMP_INJECT_STEP + 1] == scales[AMP_INJECT_STEP]  # halved once, not again
+        assert torch.isfinite(params).all()
+
+
+def learnable_images(n: int = 384):
+    """8x8 images whose label is learnable: a class template plus noise."""
+    gen = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, 5, (n,), generator=gen)
+    templates = torch.rand(5, 1, 8, 8, generator=gen)
+    images = 0.5 * templates[labels] + 0.5 * torch.rand(n, 1, 8, 8, generator=gen)
+    return images, labels
+
+
+@pytest.mark.parametrize("name", list(AMP_STRATEGIES))
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_keras_fit_under_a_mixed_policy_on_gpu(policy, name):
+    """fit computes in the policy's dtype on the GPU, keeps the parameters, loss and outputs
+    in float32, trains, and under mixed_float16 scales the loss (LossScaleOptimizer)."""
+    td.keras.mixed_precision.set_global_policy(policy)
+    compute_dtype = torch.float16 if policy == "mixed_float16" else torch.bfloat16
+    x, y = learnable_images()
+    strategy = AMP_STRATEGIES[name]()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = td.keras.Model(make_cnn())
+    model.compile(optimizer=td.keras.optimizers.Adam(learning_rate=1e-2),
+                  loss=td.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    computed_in = set()
+    model.module[0].register_forward_hook(lambda _m, _i, out: computed_in.add((out.dtype, out.device.type)))
+    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
+
+    assert computed_in == {(compute_dtype, "cuda")}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert next(model.parameters()).device.type == ("cuda" if name == "one" else "cpu")
+    losses = history.history["loss"]
+    assert all(isinstance(v, float) for v in losses)
+    assert losses[-1] < losses[0], losses
+    assert model.predict(x[:4], verbose=0).dtype == torch.float32
+    scaled = isinstance(model.optimizer, td.mixed_precision.LossScaleOptimizer)
+    assert scaled == (policy == "mixed_float16")
+    if scaled:
+        assert 0 < model.optimizer.loss_scale < float("inf")

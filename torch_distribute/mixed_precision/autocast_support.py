@@ -33,7 +33,7 @@ def check_autocast(device_type: str, dtype: torch.dtype) -> None:
             warnings.simplefilter("always")
             try:
                 enabled = torch.autocast(device_type, dtype=dtype).fast_dtype == dtype
-                enabled = enabled and not any("not supported" in str(w.message) for w in caught)
+                enabled = enabled and not any("isabling autocast" in str(w.message) for w in caught)
             except RuntimeError as error:  # e.g. CUDA without bfloat16
                 enabled, reason = False, str(error)
         if not enabled and reason is None:
