@@ -198,14 +198,22 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
                     "training step, then scaler.update()."
                 ) from error
 
-        def once(_strategy: Any) -> Any:
-            if takes_optimizer:
-                return strategy.extended.apply_to_global_gradients(optimizer, call)
-            return call()
-
-        return replica.merge_call(once)
+        return _once_on_global_gradients(replica, [optimizer] if takes_optimizer else [], call)
 
     return _eager(method)
+
+
+def _once_on_global_gradients(replica: Any, optimizers: list[torch.optim.Optimizer], call: Any) -> Any:
+    """``call()`` once, in a ``merge_call``, with the gradients of ``optimizers`` summed over
+    every replica and worker (``extended.apply_to_global_gradients``)."""
+
+    def once(strategy: Any) -> Any:
+        on_global = call
+        for optimizer in optimizers:
+            on_global = functools.partial(strategy.extended.apply_to_global_gradients, optimizer, on_global)
+        return on_global()
+
+    return replica.merge_call(once)
 
 
 def _optimizers_holding(strategy: Any, params: list[torch.Tensor], function: str) -> list[torch.optim.Optimizer]:
@@ -240,14 +248,11 @@ def _wrap_clipping(original: Any) -> Any:
         strategy = replica.strategy
         optimizers = _optimizers_holding(strategy, params, original.__name__)
 
-        def once(_strategy: Any) -> Any:
-            call = functools.partial(original, params, *args, **kwargs)
-            for optimizer in optimizers:
-                call = functools.partial(strategy.extended.apply_to_global_gradients, optimizer, call)
+        def call() -> Any:
             with torch.no_grad():
-                return call()
+                return original(params, *args, **kwargs)
 
-        return replica.merge_call(once)
+        return _once_on_global_gradients(replica, optimizers, call)
 
     return _eager(clip)
 
