@@ -234,6 +234,7 @@ def main() -> None:
             for variant in variants:
                 result = spawn(variant, precision, args)
                 times[precision][variant].append(result["s_per_step"] * 1e3)
+                print(f"{precision} {variant}: {result['s_per_step'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
                 if result["loss_scale"] is not None:
                     loss_scales[variant] = result["loss_scale"]  # the last round's
 

@@ -140,6 +140,150 @@ def test_checkpoint_from_gpu_restores_on_cpu_replicas(tmp_path):
     assert_close_to(cpu_model, model, atol=0)
 
 
+# -- several replicas on one GPU (logical GPUs) -------------------------------------------------
+@pytest.fixture
+def logical_gpus():
+    """Split GPU 0 into n logical GPUs for the test; undone afterwards."""
+    gpu = td.config.list_physical_devices("GPU")[0]
+
+    def split(n: int) -> list[str]:
+        td.config.set_logical_device_configuration(gpu, [td.config.LogicalDeviceConfiguration()] * n)
+        return [d.name for d in td.config.list_logical_devices("GPU")][:n]
+
+    yield split
+    td.config.set_logical_device_configuration(gpu, None)
+
+
+def train_compiled(strategy, data, mode=None):
+    """``train_with`` with the distributed step under ``td.function``; also returns it."""
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = make_cnn()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        loss = td.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=12)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    @td.function(mode=mode)
+    def distributed_step(x, y):
+        return strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
+
+    for x, y in strategy.experimental_distribute_dataset(data):
+        distributed_step(x, y)
+    return model, distributed_step
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mirrored_on_logical_gpus_of_one_card_matches_one_device(logical_gpus, n, compiled):
+    devices = logical_gpus(n)
+    strategy = td.MirroredStrategy(devices)
+    assert strategy.num_replicas_in_sync == n
+    assert {str(d) for d in strategy.extended.replica_devices} == {"cuda:0"}
+    assert not isinstance(strategy.extended.cross_device_ops, td.NcclAllReduce)
+    data = batches(global_batch=12)
+    if compiled:
+        with pytest.warns(UserWarning, match="CUDA graphs are not used"):
+            model, function = train_compiled(strategy, data)
+        assert function.experimental_get_tracing_count() >= n
+    else:
+        model, _ = train_with(strategy, data)
+    assert_close_to(model, train_plain("cuda", data), atol=1e-4)
+
+
+def test_default_mirrored_uses_every_logical_gpu_and_nccl_is_refused_between_them(logical_gpus):
+    logical_gpus(2)
+    assert td.MirroredStrategy().num_replicas_in_sync == torch.cuda.device_count() + 1
+    with pytest.raises(td.InvalidDeviceError, match="NCCL refuses two ranks on one device"):
+        td.MirroredStrategy(["cuda:0", "cuda:1"], cross_device_ops=td.NcclAllReduce())
+    with pytest.raises(td.InvalidDeviceError, match="set_logical_device_configuration"):
+        td.MirroredStrategy(["cuda:0", "cuda:0"])
+
+
+def test_logical_gpu_replicas_run_on_streams_of_their_own(logical_gpus):
+    strategy = td.MirroredStrategy(logical_gpus(2))
+    streams = strategy.experimental_local_results(strategy.run(lambda: torch.cuda.current_stream().stream_id))
+    assert len(set(streams)) == 2
+    assert torch.cuda.default_stream().stream_id not in streams
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_central_storage_computing_on_logical_gpus(logical_gpus, compiled):
+    strategy = td.CentralStorageStrategy(logical_gpus(2), parameter_device="cpu")
+    data = batches()
+    model, _ = train_compiled(strategy, data) if compiled else train_with(strategy, data)
+    assert next(model.parameters()).device.type == "cpu"
+    assert_close_to(model, train_plain("cpu", data, init_device="cpu"), atol=1e-4)
+
+
+def test_logical_gpu_memory_limit_caps_the_process(logical_gpus):
+    gpu = td.config.list_physical_devices("GPU")[0]
+    with pytest.raises(td.InvalidArgumentError, match="same memory_limit"):
+        td.config.set_logical_device_configuration(
+            gpu, [td.config.LogicalDeviceConfiguration(1024), td.config.LogicalDeviceConfiguration(2048)])
+    td.config.set_logical_device_configuration(gpu, [td.config.LogicalDeviceConfiguration(1024)] * 2)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+    td.config.set_logical_device_configuration(gpu, None)
+    torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+
+
+# -- td.function on CUDA: CUDA graphs -------------------------------------------------------------
+def test_td_function_on_one_gpu_uses_cuda_graphs_and_matches_eager(recwarn):
+    from torch._dynamo.utils import counters
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    data = batches(n_batches=8)
+    model, function = train_compiled(td.OneDeviceStrategy("cuda:0"), data)
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    assert not [w for w in recwarn if "CUDA graphs" in str(w.message)]
+    assert_close_to(model, train_plain("cuda", data), atol=1e-5)
+
+
+def test_td_function_says_once_why_cuda_graphs_were_skipped():
+    from torch._dynamo.utils import counters
+
+    strategy = td.OneDeviceStrategy("cuda:0")
+    with strategy.scope():
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # A plain tensor (not a parameter or buffer) changed in place in the step: no CUDA graph.
+    steps_seen = torch.zeros(1, device="cuda")
+
+    def step(x):
+        steps_seen.add_(1)
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    @td.function
+    def distributed_step(x):
+        return strategy.run(step, args=(x,))
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    with pytest.warns(UserWarning, match="CUDA graphs are not used for part of the step") as caught:
+        for x in strategy.experimental_distribute_dataset([torch.ones(8, 4)] * 4):
+            distributed_step(x)
+    assert counters["inductor"]["cudagraph_skips"] > skips
+    assert len([w for w in caught if "CUDA graphs" in str(w.message)]) == 1
+    assert steps_seen.item() == 4
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_td_function_with_explicit_reduce_overhead_on_logical_gpus(logical_gpus, n):
+    """CUDA graphs asked for explicitly, with replica threads sharing the GPU."""
+    strategy = td.MirroredStrategy(logical_gpus(n)) if n > 1 else td.OneDeviceStrategy("cuda:0")
+    data = batches(n_batches=8)
+    model, _ = train_compiled(strategy, data, mode="reduce-overhead")
+    assert_close_to(model, train_plain("cuda", data), atol=1e-4)
+
+
 def _launch_gpu_workers(nproc: int, *extra: str) -> dict[int, dict]:
     from torch_distribute.cluster.launcher import launch
 
@@ -151,22 +295,35 @@ def _launch_gpu_workers(nproc: int, *extra: str) -> dict[int, dict]:
     return results
 
 
-@pytest.mark.parametrize(("nproc", "implementation"), [
-    (1, "nccl"), (1, "auto"), (2, "ring"),
-    pytest.param(2, "nccl", marks=pytest.mark.skipif(
+@pytest.mark.parametrize(("nproc", "implementation", "compiled"), [
+    (1, "nccl", False), (1, "auto", False), (2, "ring", False), (2, "auto", False), (2, "auto", True),
+    pytest.param(2, "nccl", False, marks=pytest.mark.skipif(
         torch.cuda.device_count() < 2, reason="NCCL needs a GPU per worker")),
 ])
-def test_multi_worker_on_gpu_matches_one_process(nproc, implementation):
-    """Workers share the GPUs round-robin; over Gloo (``ring``) several may share one GPU."""
-    results = _launch_gpu_workers(nproc, "--implementation", implementation)
+def test_multi_worker_on_gpu_matches_one_process(nproc, implementation, compiled):
+    """Workers share the GPUs round-robin; workers sharing one GPU talk over Gloo (NCCL refuses
+    two ranks on one GPU), under ``auto`` too."""
+    results = _launch_gpu_workers(nproc, "--implementation", implementation, *(["--compile"] if compiled else []))
     reference = H.train_reference(2, init_device="cuda")
+    shared = nproc > torch.cuda.device_count()
     for rank, payload in results.items():
         assert payload["param_device"] == f"cuda:{rank % torch.cuda.device_count()}"
         # One worker has no process group: nothing crosses processes.
-        assert payload["uses_nccl"] == (nproc > 1 and implementation != "ring")
+        assert payload["uses_nccl"] == (nproc > 1 and implementation != "ring" and not shared)
         torch.testing.assert_close(torch.tensor(payload["params"]), torch.tensor(reference["params"]),
                                    atol=1e-4, rtol=1e-4)
     assert all(results[r]["params"] == results[0]["params"] for r in results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs workers sharing a GPU")
+def test_explicit_nccl_between_workers_sharing_a_gpu_is_refused():
+    from torch_distribute.cluster.launcher import launch
+
+    out, err = io.StringIO(), io.StringIO()
+    code = launch([GPU_WORKER, "--implementation", "nccl"], 2, grace_period=2, timeout=120, stdout=out, stderr=err)
+    assert code != 0
+    assert "share GPU" in out.getvalue() + err.getvalue()
+    assert "NCCL refuses two ranks on one GPU" in out.getvalue() + err.getvalue()
 
 
 def test_multi_worker_bfloat16_autocast_trains():

@@ -17,7 +17,15 @@
 """
 
 from torch_distribute import cluster as cluster_resolver
-from torch_distribute import coordinator, estimator, keras, metrics, mixed_precision, partitioners
+from torch_distribute import (
+    config,
+    coordinator,
+    estimator,
+    keras,
+    metrics,
+    mixed_precision,
+    partitioners,
+)
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from torch_distribute.collectives import (
     CrossDeviceOps,
@@ -124,6 +132,7 @@ __all__ = [
     "ValueContext",
     "WorkerUnavailableError",
     "cluster_resolver",
+    "config",
     "estimator",
     "compute_average_loss",
     "function",

@@ -8,6 +8,12 @@ computes with its own copies of the parameters, so dynamo traces one graph per r
 ``ReplicaTensorMode``), and the gradient sum in ``optimizer.step()`` stays the strategy's own,
 exact, outside the graphs. A function that never calls ``run`` is compiled whole.
 
+On CUDA, ``mode=None`` picks CUDA graphs (``"reduce-overhead"``) where each process drives
+one GPU replica (``OneDeviceStrategy``, one GPU per worker under torchrun), and plain
+compiled kernels with one warning saying why where replicas share the process (CUDA graphs
+capture per process, and replica threads would capture concurrently). When torch's inductor
+cannot use CUDA graphs for a part of the step, one warning gives its reason.
+
 >>> import torch, torch_distribute as td
 >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
 >>> with strategy.scope():
@@ -31,7 +37,9 @@ True
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +69,28 @@ class _Active(threading.local):
 _active = _Active()
 
 
+class _Compiling(threading.local):
+    def __init__(self) -> None:
+        self.function: Function | None = None
+
+
+_compiling = _Compiling()
+
+
+class _CudagraphSkips(logging.Handler):
+    """Hands inductor's "skipping cudagraphs due to ..." to the ``Function`` being compiled
+    or run on this thread (the message is logged whether or not torch logging shows it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        function = _compiling.function
+        if function is not None:
+            function._cudagraphs_skipped(record.getMessage())
+
+
+# torch logs these on an artifact logger; a handler of our own sees them without TORCH_LOGS.
+logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs").addHandler(_CudagraphSkips())
+
+
 class Function:
     """A function compiled as ``td.function`` says (see the module docstring).
 
@@ -80,13 +110,17 @@ class Function:
                 raise InvalidArgumentError(f"td.function {name} must be True, False or None, got {value!r}.")
         functools.update_wrapper(self, fn)
         self._fn = fn
+        self._mode = mode
         self._fullgraph = bool(fullgraph)
         self._dynamic = dynamic
-        self._inductor = torch._TorchCompileInductorWrapper(mode, None, dynamic)
+        self._inductors: dict[str | None, Any] = {}
         self._graphs = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._calls_run: bool | None = None  # learnt on the first call
-        self._compiled: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
+        self._compiled: weakref.WeakKeyDictionary[Any, dict[str | None, Callable[..., Any]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._warned: set[str] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._calls_run is False:
@@ -101,21 +135,73 @@ class Function:
             self._calls_run = call.runs > 0
         return result
 
-    def _backend(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def _backend(self, mode: str | None) -> Callable[..., Any]:
         with self._lock:
-            self._graphs += 1
-        return self._inductor(graph, example_inputs)
+            inductor = self._inductors.get(mode)
+            if inductor is None:
+                inductor = self._inductors[mode] = torch._TorchCompileInductorWrapper(mode, None, self._dynamic)
 
-    def compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` compiled with this function's options (once per function object)."""
-        target, owner = (fn.__func__, fn.__self__) if hasattr(fn, "__func__") else (fn, None)
+        def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            with self._lock:
+                self._graphs += 1
+            return inductor(graph, example_inputs)
+
+        return count_and_compile
+
+    def _mode_for(self, devices: tuple[torch.device, ...] | None) -> str | None:
+        """The mode asked for, else CUDA graphs for one GPU replica per process (see above)."""
+        if self._mode is not None or not devices or not any(d.type == "cuda" for d in devices):
+            return self._mode
+        if len(devices) == 1:
+            return "reduce-overhead"
+        self._warn_once(
+            "threads",
+            f"td.function({self.__name__}): CUDA graphs are not used: its {len(devices)} replicas run "
+            "in threads of one process, and CUDA graphs capture per process. The replica steps run "
+            "as compiled kernels. For CUDA graphs, run one process per GPU "
+            "(MultiWorkerMirroredStrategy under torchrun).",
+        )
+        return None
+
+    def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
-            compiled = self._compiled.get(target)
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+    def _cudagraphs_skipped(self, reason: str) -> None:
+        self._warn_once(
+            "cudagraph skip",
+            f"td.function({self.__name__}): CUDA graphs are not used for part of the step, which "
+            f"runs as compiled kernels instead; torch says: {reason}. Typical causes: a CPU tensor "
+            "in the step (keep the step's tensors on the GPU), an input changed in place, or "
+            "shapes that vary (a ragged last batch: drop_remainder=True).",
+        )
+
+    def compiled(self, fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
+        """``fn`` compiled with this function's options (once per function object and mode),
+        for replicas on ``devices`` (None: not known)."""
+        target, owner = (fn.__func__, fn.__self__) if hasattr(fn, "__func__") else (fn, None)
+        mode = self._mode_for(devices)
+        with self._lock:
+            by_mode = self._compiled.setdefault(target, {})
+            compiled = by_mode.get(mode)
             if compiled is None:
-                compiled = torch.compile(target, backend=self._backend, fullgraph=self._fullgraph,
+                compiled = torch.compile(target, backend=self._backend(mode), fullgraph=self._fullgraph,
                                          dynamic=self._dynamic)
-                self._compiled[target] = compiled
-        return compiled if owner is None else functools.partial(compiled, owner)
+                by_mode[mode] = compiled
+        call = compiled if owner is None else functools.partial(compiled, owner)
+
+        @functools.wraps(target)
+        def attributed(*args: Any, **kwargs: Any) -> Any:
+            previous, _compiling.function = _compiling.function, self
+            try:
+                return call(*args, **kwargs)
+            finally:
+                _compiling.function = previous
+
+        return attributed
 
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
@@ -130,10 +216,25 @@ def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, f
     return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
 
 
-def for_replicas(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What ``strategy.run`` should run for ``fn``: compiled inside a ``td.function`` call."""
+# Graphs dynamo keeps per code object before it gives up and runs it eagerly: each replica
+# needs its own (and one more for a ragged last batch), so the limit grows with the replicas.
+_GRAPHS_PER_REPLICA = 8
+
+
+def _allow_graphs_for(replicas: int) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    wanted = _GRAPHS_PER_REPLICA * replicas
+    if getattr(config, name) < wanted:
+        setattr(config, name, wanted)
+
+
+def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
+    """What ``strategy.run`` should run for ``fn`` on replicas on ``devices`` (this process's):
+    compiled inside a ``td.function`` call."""
     if not _active.calls:
         return fn
     call = _active.calls[-1]
     call.runs += 1
-    return call.function.compiled(fn)
+    _allow_graphs_for(len(devices) if devices else 1)
+    return call.function.compiled(fn, devices)

@@ -2,7 +2,10 @@
 
 CPU devices are *logical*: ``cpu:0`` and ``cpu:1`` are two replicas that both compute on the
 host CPU (as TensorFlow's logical CPU devices do), which is how multi-replica code is tested
-on a machine without GPUs.
+on a machine without GPUs. GPUs are physical unless ``split_physical_gpu`` (what
+``td.config.set_logical_device_configuration`` calls) made several logical GPUs of one:
+then ``cuda:N`` names the N-th logical GPU, counted through the physical GPUs in order, and
+``torch_device`` is the physical GPU it runs on.
 
 >>> canonicalize("/gpu:1").name
 'cuda:1'
@@ -13,7 +16,8 @@ device(type='cpu')
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +32,12 @@ _PATTERN = re.compile(
 
 @dataclass(frozen=True, order=True)
 class LogicalDevice:
-    """One replica's device: a kind (``"cpu"`` or ``"cuda"``) and an index."""
+    """One replica's device: a kind (``"cpu"`` or ``"cuda"``), an index and, for a GPU, the
+    physical GPU it runs on (the index itself unless GPUs were split into logical ones)."""
 
     kind: str
     index: int
+    physical_index: int | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -42,11 +48,16 @@ class LogicalDevice:
         """Where tensors of this replica live (every logical CPU maps to the host CPU)."""
         if self.kind == "cpu":
             return torch.device("cpu")
-        return torch.device("cuda", self.index)
+        return torch.device("cuda", self.index if self.physical_index is None else self.physical_index)
 
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
+
+    @property
+    def device_type(self) -> str:
+        """TensorFlow's spelling of the kind: ``"CPU"`` or ``"GPU"``."""
+        return "GPU" if self.is_cuda else "CPU"
 
     def __str__(self) -> str:
         return self.name
@@ -82,13 +93,15 @@ def canonicalize(device: DeviceLike) -> LogicalDevice:
             f"A device must be a string like 'cuda:0' or 'cpu:1', got {type(device).__name__}."
         )
     if parsed.is_cuda:
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if parsed.index >= available:
+        physical = logical_gpu_map()
+        if parsed.index >= len(physical):
+            split = "" if len(physical) == physical_gpu_count() else f" ({len(physical)} logical GPUs)"
             raise InvalidDeviceError(
-                f"Device {parsed.name} is not available: this machine has {available} CUDA "
-                "device(s). Use CPU replicas ('cpu:0', 'cpu:1', ...) to run several replicas "
-                "without GPUs."
+                f"Device {parsed.name} is not available: this machine has {physical_gpu_count()} CUDA "
+                f"device(s){split}. Use CPU replicas ('cpu:0', 'cpu:1', ...) to run several replicas "
+                "without GPUs, or td.config.set_logical_device_configuration to run several on one GPU."
             )
+        parsed = LogicalDevice("cuda", parsed.index, physical[parsed.index])
     return parsed
 
 
@@ -105,15 +118,66 @@ def canonicalize_all(devices: list[DeviceLike] | tuple[DeviceLike, ...]) -> tupl
             raise InvalidDeviceError(
                 f"Device {device.name} appears twice (positions {seen[device]} and {position}) "
                 "in the device list: each replica needs its own device. For several replicas "
-                "on the CPU use distinct logical devices: 'cpu:0', 'cpu:1', ..."
+                "on the CPU use distinct logical devices: 'cpu:0', 'cpu:1', ...; on one GPU, "
+                "split it first with td.config.set_logical_device_configuration(gpu, "
+                "[td.config.LogicalDeviceConfiguration()] * n) and use 'cuda:0', 'cuda:1', ..."
             )
         seen[device] = position
     return parsed
 
 
 def local_devices() -> tuple[LogicalDevice, ...]:
-    """Every visible GPU, else the one CPU device."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count:
-        return tuple(LogicalDevice("cuda", i) for i in range(count))
+    """Every visible (logical) GPU, else the one CPU device."""
+    physical = logical_gpu_map()
+    if physical:
+        return tuple(LogicalDevice("cuda", i, p) for i, p in enumerate(physical))
     return (LogicalDevice("cpu", 0),)
+
+
+def gpu_identity(device: LogicalDevice) -> str:
+    """What names ``device``'s physical GPU across processes (its UUID where torch reports it)."""
+    index = device.torch_device.index or 0
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else f"{socket.gethostname()}/cuda:{index}"
+
+
+def share_a_gpu(devices: tuple[LogicalDevice, ...] | list[LogicalDevice]) -> bool:
+    """Whether two of ``devices`` are logical GPUs of the same physical GPU."""
+    gpus = [d.torch_device for d in devices if d.is_cuda]
+    return len(set(gpus)) < len(gpus)
+
+
+# -- logical GPUs ---------------------------------------------------------------------------
+# Physical GPU p is split into _gpu_splits[p] logical GPUs (1 where absent). Module state,
+# as TensorFlow's logical device configuration is process state.
+_gpu_splits: dict[int, int] = {}
+
+
+def physical_gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def split_physical_gpu(physical_index: int, count: int) -> None:
+    """Run ``count`` logical GPUs on physical GPU ``physical_index`` from now on (1 undoes it).
+
+    Strategies made before keep the devices they were given."""
+    if not 0 <= physical_index < physical_gpu_count():
+        raise InvalidDeviceError(
+            f"There is no physical GPU {physical_index}: this machine has {physical_gpu_count()}."
+        )
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InvalidDeviceError(f"A GPU splits into a positive number of logical GPUs, got {count!r}.")
+    if count == 1:
+        _gpu_splits.pop(physical_index, None)
+    else:
+        _gpu_splits[physical_index] = count
+
+
+def logical_gpus_of(physical_index: int) -> int:
+    """How many logical GPUs run on physical GPU ``physical_index``."""
+    return _gpu_splits.get(physical_index, 1)
+
+
+def logical_gpu_map() -> tuple[int, ...]:
+    """The physical GPU of each logical GPU, in logical order."""
+    return tuple(p for p in range(physical_gpu_count()) for _ in range(logical_gpus_of(p)))

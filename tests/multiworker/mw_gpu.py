@@ -1,10 +1,10 @@
 """One worker of a GPU multi-worker test; prints one ``MWRESULT {json}`` line.
 
-    python mw_gpu.py --implementation auto|ring|nccl [--epochs E] [--bf16]
+    python mw_gpu.py --implementation auto|ring|nccl [--epochs E] [--bf16] [--compile]
 
 Trains the shared tiny model on GPU ``local_rank % device_count`` under
-``MultiWorkerMirroredStrategy`` (several workers may share one GPU: with ``ring`` Gloo carries
-the CUDA tensors, with NCCL a worker needs a GPU of its own) and reports its parameters and
+``MultiWorkerMirroredStrategy`` (several workers may share one GPU: Gloo carries the CUDA tensors
+then, under ``auto`` too; explicit NCCL needs a GPU per worker) and reports its parameters and
 the backend in use.
 """
 
@@ -26,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--implementation", choices=["auto", "ring", "nccl"], default="auto")
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--bf16", action="store_true", help="forward under torch.autocast(bfloat16)")
+parser.add_argument("--compile", action="store_true", help="the distributed step under td.function")
 args = parser.parse_args()
 
 implementation = td.CommunicationImplementation[args.implementation.upper()]
@@ -51,17 +52,24 @@ def step(x, y, global_batch):
     return loss
 
 
+def distributed_step(xb, yb, size):
+    return strategy.reduce("sum", strategy.run(step, args=(xb, yb, size)), axis=None)
+
+
+if args.compile:
+    distributed_step = td.function(distributed_step)
+
 x, y = H.make_data()
 loader = H.make_loader(x, y)
 losses = []
 for _ in range(args.epochs):
     for (xb, yb), size in zip(strategy.experimental_distribute_dataset(loader), H.global_batch_sizes(), strict=True):
-        loss = strategy.reduce("sum", strategy.run(step, args=(xb, yb, size)), axis=None)
+        loss = distributed_step(xb, yb, size)
         losses.append(loss.item())
 H.emit({
     "rank": rank,
     "params": H.flat(model),
     "losses": losses,
     "param_device": str(next(model.parameters()).device),
-    "uses_nccl": bool(getattr(getattr(strategy.extended, "_group", None), "uses_nccl", False)),
+    "uses_nccl": bool(getattr(strategy.extended.worker_group, "uses_nccl", False)),
 })

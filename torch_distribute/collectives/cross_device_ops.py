@@ -20,7 +20,7 @@ import torch
 
 from torch_distribute.collectives.arithmetic import divide
 from torch_distribute.collectives.packing import pack, packs_by_dtype, unpack
-from torch_distribute.devices import LogicalDevice, canonicalize
+from torch_distribute.devices import LogicalDevice, canonicalize, share_a_gpu
 from torch_distribute.errors import InvalidArgumentError, InvalidDeviceError
 from torch_distribute.reduce_op import ReduceOp
 
@@ -161,6 +161,13 @@ class NcclAllReduce(CrossDeviceOps):
                 f"{', '.join(not_cuda)}. Use td.ReductionToOneDevice() (or leave "
                 "cross_device_ops=None to pick the best one) for CPU replicas."
             )
+        if share_a_gpu(devices):
+            raise InvalidDeviceError(
+                f"NcclAllReduce cannot reduce between logical GPUs of one physical GPU (NCCL refuses "
+                f"two ranks on one device), and {', '.join(d.name for d in devices)} share one. Use "
+                "td.ReductionToOneDevice() or td.HierarchicalCopyAllReduce() (or leave "
+                "cross_device_ops=None to pick one)."
+            )
         if not _nccl_available():
             raise InvalidDeviceError(
                 "NcclAllReduce needs PyTorch built with NCCL; use td.HierarchicalCopyAllReduce()."
@@ -184,8 +191,8 @@ def _nccl_available() -> bool:
 
 
 def select_cross_device_ops(devices: Sequence[LogicalDevice]) -> CrossDeviceOps:
-    """The best ops for ``devices``: NCCL between several GPUs, else reduce-to-one."""
-    if len(devices) > 1 and all(d.is_cuda for d in devices):
+    """The best ops for ``devices``: NCCL between several distinct GPUs, else reduce-to-one."""
+    if len(devices) > 1 and all(d.is_cuda for d in devices) and not share_a_gpu(devices):
         if _nccl_available():
             return NcclAllReduce()
         return HierarchicalCopyAllReduce()

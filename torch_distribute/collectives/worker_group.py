@@ -14,11 +14,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 _HEARTBEAT_PREFIX = "td/heartbeat/"
 _LEFT_PREFIX = "td/left/"
 _JOINED_PREFIX = "td/joined/"
+_GPUS_PREFIX = "td/gpus/"
 
 
 class WorkerGroup:
@@ -49,16 +51,17 @@ class WorkerGroup:
         world_size: int,
         rank: int,
         options: CommunicationOptions,
-        use_cuda: bool = False,
+        gpus: Sequence[str] = (),
     ):
         self.host, self.port = host, port
         self.world_size, self.rank = world_size, rank
         self.options = options
         self._timeout = datetime.timedelta(seconds=options.timeout)
         self._closed = False
-        backend = _backend(options.implementation, use_cuda)
-        self.uses_nccl = "nccl" in backend
+        _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
         self.store = self._rendezvous()
+        backend = _backend(options.implementation, bool(gpus), self._gpus_shared_with_others(gpus))
+        self.uses_nccl = "nccl" in backend
         if dist.is_initialized():
             raise WorkerUnavailableError(
                 "torch.distributed is already initialized in this process; create the "
@@ -108,6 +111,18 @@ class WorkerGroup:
                 "CommunicationOptions(timeout_seconds=...)."
             ) from error
         return store
+
+    def _gpus_shared_with_others(self, gpus: Sequence[str]) -> str | None:
+        """Which other worker drives one of ``gpus`` (the physical GPUs of this worker), if any."""
+        self.store.set(f"{_GPUS_PREFIX}{self.rank}", json.dumps(sorted(gpus)))
+        keys = [f"{_GPUS_PREFIX}{r}" for r in range(self.world_size)]
+        self.store.wait(keys, self._timeout)
+        mine = set(gpus)
+        for rank, key in enumerate(keys):
+            common = mine.intersection(json.loads(self.store.get(key))) if rank != self.rank else ()
+            if common:
+                return f"workers {min(rank, self.rank)} and {max(rank, self.rank)} share GPU {sorted(common)[0]}"
+        return None
 
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -285,7 +300,10 @@ class WorkerGroup:
         gc.collect()
 
 
-def _backend(implementation: CommunicationImplementation, use_cuda: bool) -> str:
+def _backend(implementation: CommunicationImplementation, use_cuda: bool, shared_gpu: str | None) -> str:
+    """NCCL for CUDA tensors where it can run; Gloo (through host memory) otherwise.
+
+    NCCL refuses two ranks on one GPU, so workers sharing one get Gloo under AUTO."""
     nccl = use_cuda and torch.cuda.is_available() and dist.is_nccl_available()
     if implementation is CommunicationImplementation.NCCL:
         if not nccl:
@@ -293,8 +311,14 @@ def _backend(implementation: CommunicationImplementation, use_cuda: bool) -> str
                 "CommunicationImplementation.NCCL needs CUDA devices and a PyTorch build with NCCL; "
                 "use CommunicationImplementation.AUTO or RING on CPUs."
             )
+        if shared_gpu is not None:
+            raise InvalidArgumentError(
+                f"CommunicationImplementation.NCCL cannot run here: {shared_gpu}, and NCCL refuses "
+                "two ranks on one GPU. Give each worker its own GPU (CUDA_VISIBLE_DEVICES), or use "
+                "CommunicationImplementation.AUTO or RING (Gloo, through host memory)."
+            )
         return "nccl"
-    if implementation is CommunicationImplementation.RING or not nccl:
+    if implementation is CommunicationImplementation.RING or not nccl or shared_gpu is not None:
         return "gloo"
     return "cpu:gloo,cuda:nccl"
 

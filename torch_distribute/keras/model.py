@@ -29,6 +29,7 @@ from torch import nn
 from torch_distribute import context
 from torch_distribute import metrics as td_metrics
 from torch_distribute.checkpoint import Checkpoint
+from torch_distribute.compiled_function import function as td_function
 from torch_distribute.errors import (
     ContextError,
     InvalidArgumentError,
@@ -93,6 +94,12 @@ class Model(nn.Module):
         self.compiled_loss: LossesContainer | None = None
         self.compiled_metrics: MetricsContainer | None = None
         self._class_weight: torch.Tensor | None = None
+        self._run_eagerly = False
+        self._jit_compile = False
+        # What fit/evaluate/predict call for each batch (made on first use, dropped by compile).
+        self.train_function: Callable[..., Any] | None = None
+        self.test_function: Callable[..., Any] | None = None
+        self.predict_function: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return call_under_policy(self.dtype_policy, super().__call__, *args, **kwargs)
@@ -150,7 +157,8 @@ class Model(nn.Module):
         weighted_metrics: Any = None,
         steps_per_execution: int = 1,
         auto_scale_loss: bool = True,
-        **unused: Any,
+        run_eagerly: bool = False,
+        jit_compile: bool | str = "auto",
     ) -> None:
         """Choose the optimizer, the loss and the metrics (strings, objects or functions).
 
@@ -158,12 +166,16 @@ class Model(nn.Module):
         ``optimizer="adam"`` sums gradients across replicas. ``steps_per_execution``: run that
         many steps between two calls of the batch callbacks. ``auto_scale_loss``: under the
         ``"mixed_float16"`` policy, wrap the optimizer in a ``LossScaleOptimizer`` (as Keras
-        does). ``run_eagerly`` and ``jit_compile`` are accepted and ignored (PyTorch runs
-        eagerly).
+        does).
+
+        ``jit_compile``: ``True`` compiles the train, test and predict steps: the function that
+        calls ``strategy.run`` for a batch is a ``td.function`` (``model.train_function``,
+        ``test_function``, ``predict_function``), so each replica's step is compiled once per
+        replica, with graph breaks around ``optimizer.step()``; ``"auto"`` (the default) is
+        ``False`` as on Keras' torch backend: the steps run eagerly. ``run_eagerly=True`` forbids
+        compiling; with ``jit_compile=True`` it raises (pick one).
         """
-        ignored = set(unused) - {"run_eagerly", "jit_compile"}
-        if ignored:
-            raise TypeError(f"compile() got unexpected keyword arguments {sorted(ignored)}.")
+        jit_compile = _check_run_modes(run_eagerly, jit_compile)
         if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise InvalidArgumentError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}.")
         if not isinstance(auto_scale_loss, bool):
@@ -191,7 +203,31 @@ class Model(nn.Module):
                     f"`with strategy.scope():` or pass its name (e.g. 'accuracy') and compile makes it there."
                 )
         self.steps_per_execution = steps_per_execution
+        self._run_eagerly, self._jit_compile = run_eagerly, jit_compile
+        self._reset_step_functions()
         self.compiled = True
+
+    @property
+    def run_eagerly(self) -> bool:
+        """``True``: the steps never run compiled (``compile(run_eagerly=...)``; settable)."""
+        return self._run_eagerly
+
+    @run_eagerly.setter
+    def run_eagerly(self, value: bool) -> None:
+        _check_run_modes(value, self._jit_compile)
+        self._run_eagerly = value
+        self._reset_step_functions()
+
+    @property
+    def jit_compile(self) -> bool:
+        """``True``: the steps run as ``td.function`` (``compile(jit_compile=...)``; settable, the
+        next ``fit``/``evaluate``/``predict`` follows it)."""
+        return self._jit_compile
+
+    @jit_compile.setter
+    def jit_compile(self, value: bool | str) -> None:
+        self._jit_compile = _check_run_modes(self._run_eagerly, value)
+        self._reset_step_functions()
 
     def _check_policy(self, strategy: Any) -> None:
         """Refuse a compute dtype the model's devices cannot autocast to."""
@@ -257,6 +293,41 @@ class Model(nn.Module):
         """The steps ``strategy.run`` distributes, for what ``compile`` (and ``fit``) set."""
         return ReplicaSteps(self, self.optimizer, self.compiled_loss, self.compiled_metrics,
                             self._loss_tracker, self._output_loss_trackers, self._class_weight)
+
+    # -- the functions run for each batch ---------------------------------------------------------------
+    def _reset_step_functions(self) -> None:
+        self.train_function = self.test_function = self.predict_function = None
+
+    def _step_function(self, step: str) -> Callable[..., Any]:
+        """``f(steps, *args)``: ``strategy.run(steps.<step>, args)``, a ``td.function`` under
+        ``jit_compile`` (the replicas' steps compiled once per replica)."""
+        model = self
+
+        def run_step(steps: ReplicaSteps, *args: Any) -> Any:
+            return model.distribute_strategy.run(getattr(steps, step), args=args)
+
+        run_step.__name__ = run_step.__qualname__ = step.replace("_step", "_function")
+        return td_function(run_step) if self._jit_compile else run_step
+
+    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
+        """``train_function(steps, batch, global_rows)``, what ``fit`` calls for each batch: made
+        once (``force``: anew) and kept until ``compile`` or a change of ``jit_compile``."""
+        if self.train_function is None or force:
+            self.train_function = self._step_function("train_step")
+        return self.train_function
+
+    def make_test_function(self, force: bool = False) -> Callable[..., Any]:
+        """``test_function(steps, batch)``, what ``evaluate`` (and validation) call for each batch."""
+        if self.test_function is None or force:
+            self.test_function = self._step_function("test_step")
+        return self.test_function
+
+    def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
+        """``predict_function(steps, batch)``, what ``predict`` calls for each batch: the
+        per-replica outputs."""
+        if self.predict_function is None or force:
+            self.predict_function = self._step_function("predict_step")
+        return self.predict_function
 
     # -- fit -----------------------------------------------------------------------------------------
     def fit(
@@ -383,3 +454,18 @@ class Model(nn.Module):
                   f"Non-trainable params: {total - trainable:,}"]
         for line in lines:
             print_fn(line)
+
+
+def _check_run_modes(run_eagerly: Any, jit_compile: Any) -> bool:
+    """``jit_compile`` resolved (``"auto"`` is ``False``, as on Keras' torch backend), after
+    checking both values and that they do not contradict each other."""
+    if not isinstance(run_eagerly, bool):
+        raise InvalidArgumentError(f"run_eagerly must be True or False, got {run_eagerly!r}.")
+    if not (isinstance(jit_compile, bool) or (isinstance(jit_compile, str) and jit_compile == "auto")):
+        raise InvalidArgumentError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
+    if run_eagerly and jit_compile is True:
+        raise InvalidArgumentError(
+            "run_eagerly=True and jit_compile=True contradict each other: run_eagerly=True runs the "
+            "steps eagerly, jit_compile=True compiles them with td.function. Pick one."
+        )
+    return jit_compile is True

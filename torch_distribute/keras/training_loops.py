@@ -1,10 +1,12 @@
 """The training loops of ``td.keras.Model``: ``fit``, ``evaluate`` and ``predict``.
 
 ``fit_loop``, ``evaluate_loop`` and ``predict_loop`` drive the per-replica steps of
-``ReplicaSteps`` (``keras/replica_steps.py``) over the data with ``strategy.run``, and run the
-callbacks and the backups. The model (``keras/model.py``) checks its arguments, builds the
-steps from what ``compile`` made and calls these loops, which see it only through the public
-members listed by ``TrainableModel``: this module does not import the model.
+``ReplicaSteps`` (``keras/replica_steps.py``) over the data with the model's
+``train_function``/``test_function``/``predict_function`` (``strategy.run`` of a step, a
+``td.function`` under ``compile(jit_compile=True)``), and run the callbacks and the backups.
+The model (``keras/model.py``) checks its arguments, builds the steps from what ``compile``
+made and calls these loops, which see it only through the public members listed by
+``TrainableModel``: this module does not import the model.
 
 >>> import torch, torch_distribute as td
 >>> from torch_distribute.keras.replica_steps import ReplicaSteps
@@ -19,7 +21,7 @@ torch.Size([5, 3])
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +65,12 @@ class TrainableModel(Protocol):
     def train(self, mode: bool = True) -> Any: ...
 
     def eval(self) -> Any: ...
+
+    def make_train_function(self) -> Callable[..., Any]: ...
+
+    def make_test_function(self) -> Callable[..., Any]: ...
+
+    def make_predict_function(self) -> Callable[..., Any]: ...
 
 
 class _FitState:
@@ -123,14 +131,14 @@ def fit_loop(
             model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         batches = train.epoch(epoch)
-        ran = _train_epoch(model, strategy, steps, backup.steps(batches) if backup is not None else batches, train,
+        ran = _train_epoch(model, steps, backup.steps(batches) if backup is not None else batches, train,
                            callback_list, resume_step)
         if ran is None:  # a stream that had nothing left
             _warn_ran_out(epoch)
             break
         logs = _logs(model)
         if val is not None and (epoch + 1) % validation_freq == 0:
-            logs.update({f"val_{k}": v for k, v in _test_loop(model, strategy, steps, val, callback_list, epoch).items()})
+            logs.update({f"val_{k}": v for k, v in _test_loop(model, steps, val, callback_list, epoch).items()})
         callback_list.on_epoch_end(epoch, logs)
         if train.exhausted:
             _warn_ran_out(epoch)
@@ -143,10 +151,11 @@ def fit_loop(
     return history
 
 
-def _train_epoch(model: TrainableModel, strategy: Any, steps: ReplicaSteps, batches: Any, handler: DataHandler,
+def _train_epoch(model: TrainableModel, steps: ReplicaSteps, batches: Any, handler: DataHandler,
                  callback_list: CallbackList, first_step: int) -> int | None:
     """Train on one epoch's batches; the steps run, ``None`` if there were none to run."""
     per_execution = model.steps_per_execution
+    train_function = model.make_train_function()
     wants_logs = callback_list.wants_batch_logs("train")
     step = first_step
     pending = 0
@@ -155,7 +164,7 @@ def _train_epoch(model: TrainableModel, strategy: Any, steps: ReplicaSteps, batc
         for batch in batches:
             if pending == 0:
                 callback_list.on_train_batch_begin(step)
-            strategy.run(steps.train_step, args=(batch, handler.global_rows(batch)))
+            train_function(steps, batch, handler.global_rows(batch))
             step += 1
             pending += 1
             if pending == per_execution:
@@ -190,19 +199,20 @@ def evaluate_loop(
     handler = make_handler(strategy, x, y, sample_weight, batch_size, False, num_steps)
     callback_list, _, _ = _callbacks(model, callbacks, verbose, {"steps": handler.steps, "in_fit": False},
                                      history=False)
-    return _test_loop(model, strategy, steps, handler, callback_list)
+    return _test_loop(model, steps, handler, callback_list)
 
 
-def _test_loop(model: TrainableModel, strategy: Any, steps: ReplicaSteps, handler: DataHandler,
+def _test_loop(model: TrainableModel, steps: ReplicaSteps, handler: DataHandler,
                callback_list: CallbackList, epoch: int = 0) -> dict[str, float]:
     wants_logs = callback_list.wants_batch_logs("test")
+    test_function = model.make_test_function()
     model.reset_metrics()
     model.eval()
     callback_list.on_test_begin()
     step = 0
     for batch in handler.epoch(epoch):
         callback_list.on_test_batch_begin(step)
-        strategy.run(steps.test_step, args=(batch,))
+        test_function(steps, batch)
         callback_list.on_test_batch_end(step, _logs(model) if wants_logs else {})
         step += 1
     logs = _logs(model)
@@ -225,12 +235,13 @@ def predict_loop(
     """The outputs on ``x`` in its order, gathered from every replica and worker, on the CPU."""
     handler = make_handler(strategy, x, None, None, batch_size, False, num_steps, what="x")
     callback_list, _, _ = _callbacks(model, callbacks, verbose, {"steps": handler.steps}, history=False)
+    predict_function = model.make_predict_function()
     model.eval()
     callback_list.on_predict_begin()
     pieces: list[Any] = []
     for step, batch in enumerate(handler.epoch(0)):
         callback_list.on_predict_batch_begin(step)
-        outputs = strategy.run(steps.predict_step, args=(batch,))
+        outputs = predict_function(steps, batch)
         gathered = nest.map_structure(lambda v: v.cpu(), strategy.gather(outputs, axis=0))
         pieces.append(gathered)
         callback_list.on_predict_batch_end(step, {"outputs": gathered})

@@ -149,7 +149,8 @@ class Strategy:
                 "strategy.run() was called inside a replica function; call the inner function "
                 "directly (it already runs once per replica)."
             )
-        return self._extended.call_for_each_replica(compiled_function.for_replicas(fn), tuple(args), kwargs or {})
+        replica_fn = compiled_function.for_replicas(fn, self._extended.replica_devices)
+        return self._extended.call_for_each_replica(replica_fn, tuple(args), kwargs or {})
 
     # -- reductions -------------------------------------------------------------------------
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

@@ -19,7 +19,13 @@ import torch
 from torch_distribute.cluster import ClusterResolver, resolve_cluster
 from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.worker_group import WorkerGroup
-from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize_all, local_devices
+from torch_distribute.devices import (
+    DeviceLike,
+    LogicalDevice,
+    canonicalize_all,
+    gpu_identity,
+    local_devices,
+)
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy
@@ -50,7 +56,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             host, port = resolver.rendezvous_address()
             self._group = WorkerGroup(
                 host, port, self._num_workers, self._worker_index, options,
-                use_cuda=any(d.is_cuda for d in devices),
+                gpus=sorted({gpu_identity(d) for d in devices if d.is_cuda}),
             )
             counts = self._group.all_gather_objects(len(devices), what="start-up check")
             if len(set(counts)) != 1:

@@ -7,6 +7,12 @@ wake-up, not a round trip through a coordinator. Replicas that disagree on the n
 merge calls get ``ReplicaMismatchError``, never a hang. Torch kernels release the GIL, so
 CPU replicas and CUDA devices compute in parallel; each CPU replica gets its share of the
 intra-op threads so they do not oversubscribe the cores, and the serial merge gets them all.
+
+Replicas that share a GPU (logical GPUs, ``td.config``) each compute on a CUDA stream of their
+own. Every hand-over joins the streams: a replica's stream waits for the caller's before the
+replica starts and after each merge; the caller's stream waits for the replicas' before a
+merge and when ``run`` returns. So what one side wrote, the other reads complete, and a
+memory block freed on one side is never reused while the other may still use it.
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class _Run:
         self.thread_state = _ThreadState()
         self.replica_contexts = replica_contexts
         self.modes = modes
+        # The caller's current stream on each GPU that replicas share: the merges run on it.
+        self.home_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class ReplicaThreads:
@@ -99,6 +107,8 @@ class ReplicaThreads:
         self._closed = False
         self._run_lock = threading.Lock()
         self._full_threads = torch.get_num_threads()
+        shared = {d for d in devices if d.type == "cuda" and devices.count(d) > 1}
+        self._streams = [torch.cuda.Stream(d) if d in shared else None for d in devices]
         self._ready = threading.Barrier(self._n)
         self._threads = [
             threading.Thread(target=self._loop, args=(k,), name=f"td-replica-{k}", daemon=True)
@@ -123,6 +133,7 @@ class ReplicaThreads:
             )
         try:
             current = _Run(fn, args, kwargs, strategy, replica_contexts, modes, self._n)
+            current.home_streams = {s.device: torch.cuda.current_stream(s.device) for s in self._streams if s}
             with self._cond:
                 self._current = current
                 self._failure = None
@@ -155,7 +166,7 @@ class ReplicaThreads:
         context.push_frame(current.strategy, current.replica_contexts[k])
         result, error = None, None
         try:
-            with current.thread_state.applied(), current.modes[k]:
+            with self._replica_stream(k, current), current.thread_state.applied(), current.modes[k]:
                 result = current.fn(*current.args[k], **current.kwargs[k])
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             error = exc
@@ -187,6 +198,9 @@ class ReplicaThreads:
 
     # -- merge_call ---------------------------------------------------------------------------
     def merge_call(self, local_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        stream = self._streams[local_id]
+        if stream is not None:
+            self._current.home_streams[stream.device].wait_stream(stream)
         with self._cond:
             if self._failure is not None:
                 raise _Abort()
@@ -204,6 +218,8 @@ class ReplicaThreads:
             self._merge_results[local_id] = self._merge_requests[local_id] = None
         if isinstance(result, _Abort):
             raise result
+        if stream is not None:
+            stream.wait_stream(self._current.home_streams[stream.device])
         return result
 
     def _merge(self) -> None:
@@ -217,7 +233,7 @@ class ReplicaThreads:
             merged_kwargs = regroup([r[2] for r in requests])
             context.set_frames(current.frames)
             context.push_frame(current.strategy, None)
-            with outside_replica_mode(), self._intra_op(self._full_threads):
+            with outside_replica_mode(), self._intra_op(self._full_threads), _on_streams(current.home_streams):
                 result = merge_fn(current.strategy, *merged_args, **merged_kwargs)
             results = [select_replica(k, result) for k in range(self._n)]
         except BaseException as error:  # noqa: BLE001 - every replica raises it
@@ -251,6 +267,21 @@ class ReplicaThreads:
             self._states[k] = _RUNNING
 
     @contextlib.contextmanager
+    def _replica_stream(self, k: int, current: _Run) -> Iterator[None]:
+        """Replica ``k`` on its own stream, joined with the caller's at both ends."""
+        stream = self._streams[k]
+        if stream is None:
+            yield
+            return
+        home = current.home_streams[stream.device]
+        stream.wait_stream(home)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            home.wait_stream(stream)
+
+    @contextlib.contextmanager
     def _intra_op(self, count: int | None) -> Iterator[None]:
         if count is None or self._intra_op_threads is None:
             yield
@@ -270,6 +301,14 @@ class ReplicaThreads:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _on_streams(streams: dict[torch.device, torch.cuda.Stream]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for stream in streams.values():
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
 
 
 @contextlib.contextmanager
