@@ -11,6 +11,11 @@ Compared (see each script's docstring):
   vs raw DDP over 2 gloo processes, global batch 128 (goal: throughput ours / DDP >= 0.99),
   with a check that it trains like DDP; and the all-reduce throughput of its gradient path
   vs a bare ``torch.distributed.all_reduce`` of the same bytes (1, 4, 16 MiB).
+* (d) ``bench_compile.py``: compiled steps, global batch 64: ``@td.function`` on the
+  distributed step under ``OneDeviceStrategy`` and ``MirroredStrategy`` (2 CPU replicas) vs
+  the hand-written ``torch.compile`` loop (compiled model, or compiled step function) and the
+  eager loops (goal: speed hand-compiled / ``td.function`` >= 0.98), with compile seconds, the
+  graphs compiled and the parameters vs the hand-written eager loop.
 
 Each benchmark runs as a subprocess (its variants in processes of their own), so thread
 settings and torch hooks never leak between measurements. ``make bench`` calls this script.
@@ -30,25 +35,28 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.md")
 TIMEOUT_S = 600
+TIMEOUT_S_PER_SCRIPT = {"bench_compile.py": 900}  # cold compiles, twice per compiling variant
 
 QUICK_ARGS = {
     "bench_one_device.py": ["--rounds", "3", "--steps", "10", "--warmup", "3"],
     "bench_mirrored.py": ["--rounds", "3", "--steps", "5", "--warmup", "2", "--check-steps", "3"],
     "bench_multi_worker.py": ["--quick"],
+    "bench_compile.py": ["--quick"],
 }
-SCRIPTS = ("bench_one_device.py", "bench_mirrored.py", "bench_multi_worker.py")
+SCRIPTS = ("bench_one_device.py", "bench_mirrored.py", "bench_multi_worker.py", "bench_compile.py")
 
 
 def run(script: str, extra: list[str]) -> tuple[dict | None, str, int]:
     """Run one benchmark; its ``RESULT {...}`` line, its whole output, and its exit code."""
     cmd = [sys.executable, os.path.join(HERE, script), *extra]
     print(f"$ {' '.join(cmd)}", flush=True)
+    timeout = TIMEOUT_S_PER_SCRIPT.get(script, TIMEOUT_S)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         output, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        output += f"\n{script} timed out after {TIMEOUT_S}s"
+        output += f"\n{script} timed out after {timeout}s"
         code = 124
     result = None
     for line in output.splitlines():
@@ -66,7 +74,8 @@ def machine_line(output: str) -> str:
     return ""
 
 
-def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: str) -> str:
+def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: str,
+          compiled: dict | None = None) -> str:
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     sps = lambda s: f"{1 / s:.1f}"  # noqa: E731
     lines = [
@@ -122,6 +131,10 @@ def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: 
             ]
     else:
         lines.append("| (c) multi-worker | failed | | | | |")
+    if compiled:
+        lines += compiled_rows(compiled)
+    else:
+        lines.append("| (d) compiled steps | failed | | | | |")
     lines.append("")
     if one:
         lines.append(
@@ -144,7 +157,62 @@ def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: 
             "is the whole time `strategy.run` adds to get the summed gradients into `.grad` (no backward "
             "to overlap with), see `bench_multi_worker.py`."
         )
+    if compiled:
+        lines.append(compiled_note(compiled))
     return "\n".join(lines) + "\n"
+
+
+COMPILED_LABELS = {
+    "hand-eager": "hand-written PyTorch, eager",
+    "hand-compiled": "hand-written, `torch.compile(model)`",
+    "hand-compiled-step": "hand-written, `torch.compile(step)`",
+    "one-eager": "`OneDeviceStrategy(\"cpu\")`, eager",
+    "one-function": "`OneDeviceStrategy(\"cpu\")`, `@td.function`",
+    "mirrored-eager": "`MirroredStrategy([\"cpu:0\", \"cpu:1\"])`, eager",
+    "mirrored-function": "`MirroredStrategy([\"cpu:0\", \"cpu:1\"])`, `@td.function`",
+    "mirrored-compiled": "`MirroredStrategy([\"cpu:0\", \"cpu:1\"])`, `torch.compile(model)` in scope",
+}
+
+
+def compiled_rows(c: dict) -> list[str]:
+    """(d): one row per variant; the ratio column gives speed vs the hand-written compiled loop."""
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    rows = []
+    first = True
+    for name, v in c["variants"].items():
+        label = COMPILED_LABELS.get(name, name)
+        if v["graphs"]:
+            label += f" ({v['first_call_s']:.0f} s first call, {v['graphs']} graph{'s' if v['graphs'] > 1 else ''})"
+        ratio, goal = "", ""
+        if name != "hand-eager":
+            bold = "**" if name.endswith("-function") else ""
+            ratio = (f"{bold}{v['speed_vs_hand_compiled']:.2f}{bold} vs {c['baseline']}, "
+                     f"{v['speed_vs_hand_eager']:.2f} vs hand-eager (speed)")
+        if name == "one-function":
+            goal = f">= {c['goal_speed_vs_hand_compiled']}"
+        head = f"| (d) compiled steps, batch {c['global_batch']}" if first else "|"
+        first = False
+        rows.append(f"{head} | {label} | {ms(v['s_per_step'])} | {1 / v['s_per_step']:.1f} | {ratio} | {goal} |")
+    return rows
+
+
+def compiled_note(c: dict) -> str:
+    note = (
+        f"(d) speed = reference time / variant time (> 1: the variant is faster); baseline "
+        f"{c['baseline']}, the faster hand-written compiled loop; first calls compile with the inductor "
+        f"caches {'disabled' if c['cold_compile'] else 'kept'}."
+    )
+    others = {name: v for name, v in c["variants"].items() if name != "hand-eager"}
+    if c["check_steps"]:
+        diffs = ", ".join(f"{name} {v['fresh_param_max_abs_diff']:.1e} / {v['fresh_param_rel_l2_diff']:.1e}"
+                          for name, v in others.items())
+        note += (
+            f" Parameters vs hand-eager after {c['check_steps']} fresh float32 steps (max abs / relative L2): "
+            f"{diffs}. Where dynamo traces Adam's update (compiled step, and `td.function` on one "
+            "replica), it computes the bias corrections in float32; Adam amplifies that on near-zero "
+            "gradients (see `bench_compile.py`)."
+        )
+    return note
 
 
 def main() -> int:
@@ -162,6 +230,7 @@ def main() -> int:
         results["bench_mirrored.py"],
         results["bench_multi_worker.py"],
         next((line for line in map(machine_line, outputs.values()) if line), ""),
+        results["bench_compile.py"],
     )
     print()
     print(md)

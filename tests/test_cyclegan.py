@@ -300,6 +300,42 @@ def test_checkpoints_resume_where_they_stopped(tmp_path: Path, capsys):
     assert _max_parameter_difference(fresh.generator_g, straight.gan.generator_g) == 0.0
 
 
+# The smallest networks the options allow: compilation, not arithmetic, is what costs here.
+COMPILE_FLAGS = [
+    "--image-size", "8", "--generator-filters", "2", "--residual-blocks", "0",
+    "--discriminator-filters", "2", "--discriminator-layers", "1", "--no-progress",
+    "--batch-size-per-replica", "2", "--epochs", "1", "--steps-per-epoch", "2", "--test-steps", "1",
+]
+
+
+@pytest.mark.parametrize("strategy_flags", [
+    pytest.param(["--strategy", "one", "--devices", "cpu"], id="one"),
+    pytest.param(["--strategy", "mirrored", "--devices", "cpu:0,cpu:1"], id="mirrored2"),
+])
+@pytest.mark.timeout(420)  # ~15 s with inductor's cache warm; a cold cache on 2 busy cores: minutes
+def test_compiled_steps_train_what_eager_trains(tmp_path: Path, capsys, strategy_flags: list[str]):
+    """``--compile`` (td.function on the distributed train and test steps, the tutorial's
+    @tf.function) gives eager's parameters and losses, with a graph per replica."""
+    torch._dynamo.reset()
+    try:
+        eager = train.main([*COMPILE_FLAGS, *strategy_flags, "--output-dir", str(tmp_path / "eager")])
+        compiled = train.main([*COMPILE_FLAGS, *strategy_flags, "--output-dir", str(tmp_path / "compiled"),
+                               "--compile"])
+    finally:
+        torch._dynamo.reset()
+    assert "td.function graphs compiled: " in capsys.readouterr().out
+    replicas = compiled.strategy.num_replicas_in_sync
+    assert eager.tracing_counts == {}
+    assert compiled.tracing_counts["train"] >= replicas and compiled.tracing_counts["test"] >= replicas
+    for name, model in eager.gan.models().items():
+        assert _max_parameter_difference(model, compiled.gan.models()[name]) < 1e-5, name
+    assert len(eager.steps) == len(compiled.steps) == 2
+    for a, b in zip(eager.steps + eager.epochs, compiled.steps + compiled.epochs, strict=True):
+        for key in a:
+            if key != "seconds":
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), key
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -84,7 +84,7 @@ class _CudagraphSkips(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         function = _compiling.function
         if function is not None:
-            function._cudagraphs_skipped(record.getMessage())
+            function.report_cudagraph_skip(record.getMessage())
 
 
 # torch logs these on an artifact logger; a handler of our own sees them without TORCH_LOGS.
@@ -170,7 +170,8 @@ class Function:
             self._warned.add(key)
         warnings.warn(message, stacklevel=4)
 
-    def _cudagraphs_skipped(self, reason: str) -> None:
+    def report_cudagraph_skip(self, reason: str) -> None:
+        """Warn (once per function) that inductor skipped CUDA graphs for ``reason``."""
         self._warn_once(
             "cudagraph skip",
             f"td.function({self.__name__}): CUDA graphs are not used for part of the step, which "

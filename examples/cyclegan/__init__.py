@@ -16,6 +16,7 @@ Modules, one concept each:
 
     python -m examples.cyclegan.train                        # packaged digits, 2 CPU replicas
     python -m examples.cyclegan.train --strategy one --epochs 3
+    python -m examples.cyclegan.train --strategy one --compile    # td.function, as @tf.function
     python -m examples.cyclegan.train --data-dir ~/horse2zebra --image-size 256 \\
         --generator-filters 64 --residual-blocks 9 --batch-size-per-replica 1
     python -m torch_distribute.launch --nproc 2 -m examples.cyclegan.train --strategy multiworker

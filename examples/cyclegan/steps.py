@@ -181,7 +181,7 @@ def _zeros(keys: tuple[str, ...], like: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def make_train_step(gan: CycleGAN, global_batch_size: int, gan_loss: str = "lsgan",
-                    lambda_cycle: float = 10.0) -> StepFn:
+                    lambda_cycle: float = 10.0, autocast_dtype: torch.dtype | None = None) -> StepFn:
     """``train_step(x, y) -> {loss name: scalar}``, to run once per replica.
 
     Each loss is ``td.compute_average_loss(per_sample, global_batch_size)``: this replica's
@@ -191,6 +191,10 @@ def make_train_step(gan: CycleGAN, global_batch_size: int, gan_loss: str = "lsga
     keeps, e.g., the generator loss out of the discriminators' gradients. All four gradients
     come from one forward pass with the current weights; then the four optimizers step, in
     the same order on every replica (each step is a point where the replicas meet).
+
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``): the forward pass and the losses run under
+    ``torch.autocast`` on the replica's device, as PyTorch documents it (the backward passes
+    and the optimizer steps outside it); the losses are cast back to float32.
 
     >>> # per_replica = strategy.run(make_train_step(gan, 64), args=(x, y))
     """
@@ -209,7 +213,12 @@ def make_train_step(gan: CycleGAN, global_batch_size: int, gan_loss: str = "lsga
             # still takes part in the four optimizer steps below.
             losses = _zeros(LOSS_KEYS, real_x)
         else:
-            per_sample = per_sample_losses(gan, real_x, real_y, gan_loss, lambda_cycle)
+            if autocast_dtype is None:
+                per_sample = per_sample_losses(gan, real_x, real_y, gan_loss, lambda_cycle)
+            else:
+                with torch.autocast(real_x.device.type, dtype=autocast_dtype):
+                    per_sample = per_sample_losses(gan, real_x, real_y, gan_loss, lambda_cycle)
+                per_sample = {key: value.float() for key, value in per_sample.items()}
             losses = {key: td.compute_average_loss(per_sample[key], global_batch_size=global_batch_size)
                       for key in LOSS_KEYS}
             for i, (key, model) in enumerate(objectives):

@@ -8,6 +8,7 @@ or N workers.
         --batch-size-per-replica 1 --epochs 40
     python -m torch_distribute.launch --nproc 2 -m examples.cyclegan.train --strategy multiworker
     python -m examples.cyclegan.train --resume --epochs 10           # continue the last run
+    python -m examples.cyclegan.train --strategy one --compile       # td.function (@tf.function)
 
 Data: the CycleGAN folders (trainA/ trainB/ testA/ testB/) from ``--data-dir``, else
 scikit-learn's bundled digits drawn as two domains (no download). Per epoch: a progress bar
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dynamics amplify any rounding difference later on)")
     parser.add_argument("--loader-workers", type=int, default=0,
                         help="DataLoader worker processes (image folders decode faster with some)")
+    parser.add_argument("--compile", action="store_true",
+                        help="wrap the distributed train and test steps in td.function (the "
+                        "tutorial's @tf.function): each replica's step is compiled once, with "
+                        "torch.compile; the first steps pay the compilation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -194,6 +199,8 @@ class TrainResult:
     """Per epoch: ``train/<loss>``, ``test/<loss>``, ``test/MAE/...``, ``seconds``."""
     steps: list[dict[str, float]] = field(default_factory=list)
     """Per training step: the global value of every loss."""
+    tracing_counts: dict[str, int] = field(default_factory=dict)
+    """With ``--compile``: graphs compiled for the ``train`` and ``test`` steps (every replica's)."""
 
 
 class Summaries:
@@ -302,6 +309,20 @@ def run_training(args: argparse.Namespace) -> TrainResult:
 
     train_step = make_train_step(gan, global_batch_size, args.gan_loss, args.lambda_cycle)
     test_step = make_test_step(gan, args.gan_loss, args.lambda_cycle)
+
+    def distributed_train_step(x: Any, y: Any) -> dict[str, float]:
+        return reduce_dict(strategy, strategy.run(train_step, args=(x, y)))
+
+    def distributed_test_step(x: Any, y: Any, size: int) -> dict[str, float]:
+        return reduce_dict(strategy, strategy.run(test_step, args=(x, y, size)))
+
+    if args.compile:
+        # The tutorial decorates its distributed steps with @tf.function. dynamic=False: one
+        # graph per input shape, as tf.function traces one per input signature. (A graph with
+        # dynamic shapes gets its backward compiled ahead of time, and torch then refuses the
+        # backward(retain_graph=True) of the train step's four backward passes.)
+        distributed_train_step = td.function(distributed_train_step, dynamic=False)
+        distributed_test_step = td.function(distributed_test_step, dynamic=False)
     summaries = Summaries(output_dir, enabled=strategy.extended.should_save_summary)
     result = TrainResult(gan, strategy, output_dir, start_epoch=int(epoch_counter))
     if result.start_epoch >= args.epochs:
@@ -315,15 +336,14 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         epoch_batches = itertools.islice(train_dist, steps_per_epoch)
         with _progress(epoch_batches, "Train", steps_per_epoch, show_progress) as batches:
             for x, y in batches:
-                losses = reduce_dict(strategy, strategy.run(train_step, args=(x, y)))
+                losses = distributed_train_step(x, y)
                 result.steps.append(losses)
                 train_rows.append((losses, 1.0))
         test_rows = []
         epoch_batches = zip(test_sizes, itertools.islice(test_dist, len(test_sizes)), strict=True)
         with _progress(epoch_batches, "Test", len(test_sizes), show_progress) as batches:
             for size, (x, y) in batches:
-                per_replica = strategy.run(test_step, args=(x, y, size))
-                test_rows.append((reduce_dict(strategy, per_replica), size))
+                test_rows.append((distributed_test_step(x, y, size), size))
         elapsed = time.perf_counter() - started
 
         record = {f"train/{k}": v for k, v in _mean_of(train_rows).items()}
@@ -342,6 +362,13 @@ def run_training(args: argparse.Namespace) -> TrainResult:
         if (epoch + 1) % args.checkpoint_every == 0 or last:
             manager.save(checkpoint_number=epoch + 1)  # every worker calls it; the chief writes
 
+    if args.compile:
+        result.tracing_counts = {
+            "train": distributed_train_step.experimental_get_tracing_count(),
+            "test": distributed_test_step.experimental_get_tracing_count(),
+        }
+        log(f"td.function graphs compiled: {result.tracing_counts['train']} for the train step, "
+            f"{result.tracing_counts['test']} for the test step")
     if summaries.enabled and result.steps:
         from examples.cyclegan.plots import loss_curves_figure
 
