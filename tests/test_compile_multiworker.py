@@ -36,6 +36,7 @@ from torch_distribute.cluster.launcher import TORCHRUN_VARS
 WORKERS = Path(__file__).resolve().parent / "workers"
 sys.path.insert(0, str(WORKERS))
 import compiled_mwms as W  # noqa: E402
+import mw_helpers as H  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups"),
               pytest.mark.timeout(240)]
@@ -62,24 +63,6 @@ def _identity(pid: int) -> tuple[int, int] | None:
             return pid, int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _kill(identities: set[tuple[int, int]]) -> None:
@@ -112,7 +95,7 @@ def _run_job(replicas: int, log: Path) -> tuple[int | None, str]:
     try:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            seen.update(i for i in map(_identity, _descendants(proc.pid)) if i is not None)
+            seen.update(i for i in map(_identity, H.descendants(proc.pid)) if i is not None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.wait(timeout=0.5)
                 break

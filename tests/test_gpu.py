@@ -58,7 +58,8 @@ def train_plain(device: str, data, init_device: str = "cuda") -> nn.Module:
     return model
 
 
-def train_with(strategy, data) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _train(strategy, data, wrap):
+    """Train on ``data``; ``wrap`` decorates the distributed step (eager: identity)."""
     with strategy.scope():
         torch.manual_seed(0)
         model = make_cnn()
@@ -71,8 +72,17 @@ def train_with(strategy, data) -> tuple[nn.Module, torch.optim.Optimizer]:
         opt.zero_grad()
         return loss
 
+    @wrap
+    def distributed_step(x, y):
+        return strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
+
     for x, y in strategy.experimental_distribute_dataset(data):
-        strategy.run(step, args=(x, y))
+        distributed_step(x, y)
+    return model, opt, distributed_step
+
+
+def train_with(strategy, data) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt, _ = _train(strategy, data, lambda f: f)
     return model, opt
 
 
@@ -156,25 +166,8 @@ def logical_gpus():
 
 def train_compiled(strategy, data, mode=None):
     """``train_with`` with the distributed step under ``td.function``; also returns it."""
-    with strategy.scope():
-        torch.manual_seed(0)
-        model = make_cnn()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-
-    def step(x, y):
-        loss = td.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=12)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    @td.function(mode=mode)
-    def distributed_step(x, y):
-        return strategy.reduce("sum", strategy.run(step, args=(x, y)), axis=None)
-
-    for x, y in strategy.experimental_distribute_dataset(data):
-        distributed_step(x, y)
-    return model, distributed_step
+    model, _, function = _train(strategy, data, td.function(mode=mode))
+    return model, function
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

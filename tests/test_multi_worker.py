@@ -49,26 +49,6 @@ JOB_TIMEOUT_S = 30  # CommunicationOptions(timeout_seconds=...) in the training 
 
 
 # -- process handling ----------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc), so nothing escapes the cleanup."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` (if it still runs), its process group and every descendant; reap it.
 
@@ -76,7 +56,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     our worker scripts have no children, and the launcher stops its own before exiting.
     """
     if proc.poll() is None:
-        for pid in [proc.pid, *_children(proc.pid)]:
+        for pid in [proc.pid, *H.descendants(proc.pid)]:
             for kill in (os.killpg, os.kill):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     kill(pid, signal.SIGKILL)
