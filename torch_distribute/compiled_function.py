@@ -187,18 +187,21 @@ class Function:
         mode = self._mode_for(devices)
         with self._lock:
             by_mode = self._compiled.setdefault(target, {})
-            compiled = by_mode.get(mode)
-            if compiled is None:
-                compiled = torch.compile(target, backend=self._backend(mode), fullgraph=self._fullgraph,
-                                         dynamic=self._dynamic)
-                by_mode[mode] = compiled
-        call = compiled if owner is None else functools.partial(compiled, owner)
+            attributed = by_mode.get(mode)
+            if attributed is None:
+                attributed = by_mode[mode] = self._attributed(
+                    torch.compile(target, backend=self._backend(mode), fullgraph=self._fullgraph,
+                                  dynamic=self._dynamic))
+        return attributed if owner is None else functools.partial(attributed, owner)
 
-        @functools.wraps(target)
+    def _attributed(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled``, calling which makes this function the one inductor's messages concern."""
+
+        @functools.wraps(compiled)
         def attributed(*args: Any, **kwargs: Any) -> Any:
             previous, _compiling.function = _compiling.function, self
             try:
-                return call(*args, **kwargs)
+                return compiled(*args, **kwargs)
             finally:
                 _compiling.function = previous
 
