@@ -38,6 +38,8 @@ ALLOWED = {
     ("nest.py", "_fields"),  # namedtuple's public protocol
     ("ps/pickling.py", "_fields"),
     ("checkpoint/object_graph.py", "_fields"),
+    ("checkpoint/sharded_io.py", "_metadata"),  # torch's state-dict version metadata
+    ("checkpoint/sharded_io.py", "_fields"),  # namedtuple's public protocol
 }
 TORCHMETRICS_PRIVATE = {"_defaults", "_update_count", "_reductions", "_computed", "_to_sync"}
 

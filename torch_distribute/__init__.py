@@ -76,6 +76,7 @@ from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies import (
     CentralStorageStrategy,
+    FullyShardedStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -103,6 +104,7 @@ __all__ = [
     "DatasetError",
     "DistributeError",
     "DistributedValues",
+    "FullyShardedStrategy",
     "Function",
     "HierarchicalCopyAllReduce",
     "InputContext",

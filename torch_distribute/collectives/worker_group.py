@@ -86,6 +86,7 @@ class WorkerGroup:
             if hosts_store:
                 store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
                                       timeout=self._timeout, wait_for_workers=False)
+                self.port = store.port  # port 0 (a single local worker) picks a free one
             else:
                 # The client retries once after a random back-off as long as its timeout: give
                 # each attempt half, so the whole wait stays within timeout_seconds.
@@ -194,8 +195,13 @@ class WorkerGroup:
         except Exception:  # noqa: BLE001
             return None
 
-    def describe_failure(self, what: str, error: BaseException | None) -> WorkerUnavailableError:
-        missing = self.missing_workers()
+    def describe_failure(
+        self, what: str, error: BaseException | None, missing: Any = "probe"
+    ) -> WorkerUnavailableError:
+        """The error naming who is missing; ``missing``: a ``missing_workers()`` answer the
+        caller already has (probing a dead chief's store takes seconds)."""
+        if missing == "probe":
+            missing = self.missing_workers()
         if missing is None:
             who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
         else:

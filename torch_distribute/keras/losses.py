@@ -67,7 +67,7 @@ def per_sample(values: torch.Tensor) -> torch.Tensor:
     """Mean over every non-batch axis: one value per row (a 1-D tensor stays as it is)."""
     if values.dim() <= 1:
         return values
-    return values.reshape(values.shape[0], -1).mean(1)
+    return values.flatten(1).mean(1)  # also for a replica with 0 rows
 
 
 # -- the loss functions (per element, last axis reduced as in Keras) ----------------------------

@@ -427,7 +427,8 @@ class Model(nn.Module):
     def save_weights(self, filepath: str, include_optimizer: bool = False) -> str:
         """Write the weights (and the optimizer state) to ``filepath`` as a ``td.Checkpoint`` file.
 
-        Call it on every worker; only the chief writes.
+        Call it on every worker; only the chief writes (under ``FullyShardedStrategy`` each
+        worker writes its shards into the directory ``filepath``).
         """
         objects: dict[str, Any] = {"model": self.weights_module}
         if include_optimizer and self.optimizer is not None:

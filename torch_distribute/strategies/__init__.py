@@ -3,6 +3,7 @@
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.central_storage import CentralStorageStrategy
 from torch_distribute.strategies.extended import StrategyExtended
+from torch_distribute.strategies.fully_sharded import FullyShardedStrategy, default_shard_policy
 from torch_distribute.strategies.interception import owner_of
 from torch_distribute.strategies.mirrored import MirroredReplicaContext, MirroredStrategy
 from torch_distribute.strategies.multi_worker_mirrored import MultiWorkerMirroredStrategy
@@ -11,6 +12,7 @@ from torch_distribute.strategies.single_replica import OneDeviceStrategy
 
 __all__ = [
     "CentralStorageStrategy",
+    "FullyShardedStrategy",
     "MirroredReplicaContext",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
@@ -18,5 +20,6 @@ __all__ = [
     "ParameterServerStrategy",
     "Strategy",
     "StrategyExtended",
+    "default_shard_policy",
     "owner_of",
 ]

@@ -15,6 +15,7 @@ each call, unless said otherwise):
 2. ``with strategy.scope():`` -- while user code builds modules, optimizers and
    schedulers, the interception layer (``strategies/interception.py``) calls
    ``extended.capture_parameter`` for every parameter and buffer registered on a module,
+   ``extended.capture_submodule`` for every submodule registered on a module,
    ``extended.capture_optimizer`` for every optimizer and ``extended.capture_scheduler``
    for every LR scheduler. When the outermost scope of this strategy is left,
    ``extended.finish_scope()`` runs (replica copies are made, the chief's initial values

@@ -113,8 +113,12 @@ class StrategyExtended:
         """
         return None
 
+    def capture_submodule(self, parent: nn.Module, name: str, child: nn.Module) -> None:
+        """``child`` was registered as ``parent.<name>`` inside ``scope()`` (a strategy that
+        wraps whole models, such as fully sharded, finds the root this way)."""
+
     def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer was created inside ``scope()``."""
+        """An optimizer was created inside ``scope()`` (after its ``__init__``)."""
 
     def capture_scheduler(self, scheduler: Any) -> None:
         """An LR scheduler was created for an optimizer this strategy captured."""
@@ -298,6 +302,12 @@ class StrategyExtended:
         """``update`` changed every copy of ``var`` alike: nothing to re-broadcast."""
 
     # -- 5. checkpoints: called by td.Checkpoint on every process that saves or restores ---
+    @property
+    def checkpoint_is_sharded(self) -> bool:
+        """Whether ``checkpoint_state`` gives sharded tensors (DTensors): then every worker
+        writes its own shards (``torch.distributed.checkpoint``), not the chief alone."""
+        return False
+
     def checkpoint_state(self, obj: Any) -> Any:
         """What a checkpoint saves for ``obj`` (a module, optimizer, scheduler...)."""
         return obj.state_dict()

@@ -4,7 +4,8 @@ This is the only module that touches torch's classes, and it is installed once p
 
 - Parameters and buffers: torch's global module registration hooks
   (``register_module_parameter_registration_hook`` / ``..._buffer_...``) hand each one to
-  ``extended.capture_parameter`` of the strategy whose scope we are in.
+  ``extended.capture_parameter`` of the strategy whose scope we are in; submodules
+  (``register_module_module_registration_hook``) to ``extended.capture_submodule``.
 - Optimizers and LR schedulers: torch has no hook that fires when one is constructed, so
   ``Optimizer.__init__`` and ``LRScheduler.__init__`` get a thin wrapper. Outside every
   scope it returns at once; inside, it tells the strategy (``capture_optimizer`` /
@@ -114,6 +115,13 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
     if strategy is None or buffer is None:
         return None
     return strategy.extended.capture_parameter(module, name, buffer, is_buffer=True)
+
+
+def _on_submodule(module: torch.nn.Module, name: str, submodule: Any) -> Any:
+    strategy = scope_strategy()
+    if strategy is not None and submodule is not None:
+        strategy.extended.capture_submodule(module, name, submodule)
+    return None
 
 
 def _eager(fn: Any) -> Any:
@@ -289,6 +297,7 @@ def install() -> None:
             return
         nn_module.register_module_parameter_registration_hook(_on_parameter)
         nn_module.register_module_buffer_registration_hook(_on_buffer)
+        nn_module.register_module_module_registration_hook(_on_submodule)
         torch.optim.Optimizer.__init__ = _wrap_optimizer_init(torch.optim.Optimizer.__init__)
         lr_scheduler.LRScheduler.__init__ = _wrap_scheduler_init(lr_scheduler.LRScheduler.__init__)
         optimizer_module.register_optimizer_step_pre_hook(_check_optimizer_step)

@@ -182,7 +182,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise InvalidArgumentError(
                 f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
             )
-        parsed = canonicalize_all(devices) if devices is not None else _default_devices(resolver)
+        parsed = canonicalize_all(devices) if devices is not None else default_worker_devices(resolver)
         self._cluster_resolver = resolver
         super().__init__(MultiWorkerMirroredExtended(self, parsed, resolver, options))
 
@@ -191,7 +191,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._cluster_resolver
 
 
-def _default_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
+def default_worker_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
     """All visible GPUs, or this process's GPU when several workers share a machine."""
     devices = local_devices()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)

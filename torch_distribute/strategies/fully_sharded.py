@@ -1,0 +1,457 @@
+"""``FullyShardedStrategy``: parameters, gradients and optimizer state sharded over workers.
+
+One process per device, the cluster found as ``MultiWorkerMirroredStrategy`` finds it. The
+engine is PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on a ``DeviceMesh``:
+
+- Modules made in ``scope()`` are recorded; when an optimizer is made in the scope (or the
+  scope is left), every recorded module tree is sharded: first the submodules the shard
+  policy picks, then the root. The chief's initial values are broadcast first, so every
+  worker shards the same tensors.
+- The optimizer then holds the sharded parameters (DTensors): each worker keeps and updates
+  only its shard of the parameters and of the optimizer state.
+- In ``run``, FSDP2 gathers each sharded module's parameters for its forward and backward and
+  reduce-scatters the gradients, *summed* over workers (not averaged), so the loss scaled by
+  the global batch (``td.compute_average_loss``) gives the gradient one device would.
+- Checkpoints are written by every worker, its own shards, with
+  ``torch.distributed.checkpoint`` (``extended.checkpoint_is_sharded``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from torch_distribute.cluster import ClusterResolver, resolve_cluster
+from torch_distribute.collectives.communication import CommunicationOptions
+from torch_distribute.collectives.worker_group import WorkerGroup
+from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize, gpu_identity
+from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
+from torch_distribute.replica_context import ReplicaContext
+from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.extended import StrategyExtended, first_tensor
+from torch_distribute.strategies.multi_worker_mirrored import default_worker_devices
+from torch_distribute.strategies.single_replica import call_on_this_thread
+
+ShardPolicy = Callable[[nn.Module, str], bool]
+
+#: A submodule holding at least this many parameters is sharded on its own by the default policy.
+DEFAULT_MIN_PARAMETERS = 1_000_000
+
+_TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def default_shard_policy(module: nn.Module, name: str, parent: nn.Module | None = None) -> bool:
+    """Whether a submodule is sharded on its own (the root always is).
+
+    Yes for torch's transformer layers, for every block of an ``nn.ModuleList`` (the repeated
+    blocks of a transformer or a ResNet stage) and for any submodule holding at least
+    ``DEFAULT_MIN_PARAMETERS`` parameters. Each sharded submodule gathers its parameters only
+    for its own forward and backward, so peak memory is about one such block.
+
+    >>> import torch
+    >>> default_shard_policy(torch.nn.TransformerEncoderLayer(8, 2), "layer")
+    True
+    >>> default_shard_policy(torch.nn.Linear(4, 4), "head")
+    False
+    """
+    if not has_forward(module):
+        return False
+    if isinstance(module, _TRANSFORMER_LAYERS):
+        return True
+    if isinstance(parent, nn.ModuleList) and any(True for _ in module.parameters()):
+        return True
+    return sum(p.numel() for p in module.parameters()) >= DEFAULT_MIN_PARAMETERS
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` can run on its own (``nn.ModuleList``/``ModuleDict`` cannot: FSDP2
+    refuses to shard such a container by itself)."""
+    return type(module).forward is not nn.Module.forward
+
+
+class FullyShardedExtended(StrategyExtended):
+    """The contract for FSDP2: one replica per process, state sharded over the mesh."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        device: LogicalDevice,
+        resolver: ClusterResolver,
+        options: CommunicationOptions,
+        shard_policy: ShardPolicy | None,
+        reshard_after_forward: bool | int,
+        mesh_shape: Sequence[int] | None,
+        mixed_precision: MixedPrecisionPolicy | None,
+    ):
+        super().__init__(strategy, (device,))
+        self._worker_index = resolver.worker_index
+        self._num_workers = resolver.num_workers
+        self._is_chief = resolver.is_chief
+        self._shard_policy = shard_policy
+        self._reshard_after_forward = reshard_after_forward
+        self._mixed_precision = mixed_precision or MixedPrecisionPolicy()
+        mesh_shape = _check_mesh_shape(mesh_shape, self._num_workers)
+        host, port = resolver.rendezvous_address()
+        self._group = WorkerGroup(
+            host, port, self._num_workers, self._worker_index, options,
+            gpus=[gpu_identity(device)] if device.is_cuda else [],
+        )
+        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+        self._mesh: DeviceMesh = init_device_mesh(device.torch_device.type, mesh_shape, mesh_dim_names=names)
+        self._replica_context = ReplicaContext(strategy, self._worker_index)
+        # Modules made in scope, in creation order, until they are sharded.
+        self._pending: list[weakref.ref[nn.Module]] = []
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Captured tensors by id (tensors compare by value, so no WeakSet); checked by identity.
+        self._tensors: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._sharding = False
+
+    # -- topology --------------------------------------------------------------------------
+    @property
+    def num_workers_in_sync(self) -> int:
+        return self._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self._worker_index
+
+    @property
+    def is_chief(self) -> bool:
+        return self._is_chief
+
+    @property
+    def worker_group(self) -> WorkerGroup:
+        return self._group
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The ``DeviceMesh`` the modules are sharded over (1-D, or (replicate, shard))."""
+        return self._mesh
+
+    @property
+    def checkpoint_is_sharded(self) -> bool:
+        return True
+
+    # -- capture -----------------------------------------------------------------------------
+    def capture_parameter(
+        self, module: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
+    ) -> torch.Tensor | None:
+        if self._sharding or isinstance(tensor, DTensor) or module in self._roots:
+            return None
+        self._record(module)
+        device = self.primary_device
+        if tensor.device == device:
+            self._add_tensor(tensor)
+            return None
+        moved = nn.Parameter(tensor.detach().to(device), tensor.requires_grad) if isinstance(tensor, nn.Parameter) else tensor.to(device)
+        self._add_tensor(moved)
+        return moved
+
+    def capture_submodule(self, parent: nn.Module, name: str, child: nn.Module) -> None:
+        # Containers (nn.Sequential, a model class) own no parameter of their own: they are
+        # recorded when a recorded module is put in them, so the root is the whole model.
+        if not self._sharding and child in self._modules:
+            self._record(parent)
+
+    def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        sharded = self._shard_pending()
+        if not sharded:
+            return
+        replaced = 0
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for k, param in enumerate(params):
+                new = sharded.get(param)
+                if new is not None:
+                    params[k] = new
+                    replaced += 1
+        if replaced and optimizer.state:
+            raise InvalidArgumentError(
+                "An optimizer made in FullyShardedStrategy.scope() already has state for its "
+                "parameters; make it before training, or load its state after the scope."
+            )
+
+    def finish_scope(self) -> None:
+        self._shard_pending()
+
+    def owns(self, obj: Any) -> bool:
+        if isinstance(obj, nn.Module):
+            return obj in self._modules
+        tensor = first_tensor(obj)
+        if tensor is None:
+            return False
+        ref = self._tensors.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    # -- sharding ------------------------------------------------------------------------------
+    def _add_tensor(self, tensor: torch.Tensor) -> None:
+        self._tensors[id(tensor)] = weakref.ref(tensor)
+
+    def _record(self, module: nn.Module) -> None:
+        if module not in self._modules:
+            self._modules.add(module)
+            self._pending.append(weakref.ref(module))
+
+    def _shard_pending(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Shard every recorded module tree; map each old parameter to its sharded one."""
+        pending = [m for m in (ref() for ref in self._pending) if m is not None]
+        self._pending.clear()
+        if not pending:
+            return {}
+        inside = {id(sub) for m in pending for sub in m.modules() if sub is not m}
+        roots = [m for m in pending if id(m) not in inside]
+        old = {name_param for root in roots for name_param in _named_tensors(root)}
+        self._broadcast_from_chief(roots)
+        self._sharding = True
+        try:
+            for root in roots:
+                self._shard_tree(root)
+                self._roots.add(root)
+                for sub in root.modules():
+                    self._modules.add(sub)
+        finally:
+            self._sharding = False
+        mapping: dict[nn.Parameter, nn.Parameter] = {}
+        for root, name, tensor in old:
+            new = root.get_parameter(name) if isinstance(tensor, nn.Parameter) else root.get_buffer(name)
+            self._add_tensor(new)
+            if isinstance(tensor, nn.Parameter) and new is not tensor:
+                mapping[tensor] = new
+        return mapping
+
+    def _broadcast_from_chief(self, roots: list[nn.Module]) -> None:
+        """Every worker shards the chief's values (each worker's own seed drew its own)."""
+        if self._num_workers == 1:
+            return
+        tensors = []
+        seen: set[int] = set()
+        for root in roots:
+            for tensor in [*root.parameters(), *root.buffers()]:
+                if id(tensor) not in seen and not isinstance(tensor, DTensor):
+                    seen.add(id(tensor))
+                    tensors.append(tensor.data)
+        self._group.broadcast_packed_(tensors, src=0, what="initial broadcast from the chief")
+
+    def _shard_tree(self, root: nn.Module) -> None:
+        kwargs = {"mesh": self._mesh, "reshard_after_forward": self._reshard_after_forward,
+                  "mp_policy": self._mixed_precision}
+        picked = [
+            (name, module) for name, module, parent in _post_order(root)
+            if module is not root and any(True for _ in module.parameters())
+            and self._wants_own_shard(module, name, parent)
+        ]
+        # Checked before anything is sharded: a refusal halfway would leave the model half done.
+        for name, module in [*picked, ("(the root)", root)]:
+            if not has_forward(module):
+                raise InvalidArgumentError(
+                    f"The shard policy picked {name} ({type(module).__name__}), which has no "
+                    "forward of its own, so FSDP2 cannot shard it by itself. Pick the blocks inside "
+                    "it instead (e.g. shard_policy=lambda m, name: isinstance(m, MyBlock))."
+                )
+        for _, module in picked:
+            fully_shard(module, **kwargs)
+        fully_shard(root, **kwargs)
+        # Summed over workers, as every strategy sums gradients: the loss is already scaled
+        # by the global batch (td.compute_average_loss), not by the local one.
+        # Plain SUM collectives: Gloo has no pre-multiplied sum.
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    def _wants_own_shard(self, module: nn.Module, name: str, parent: nn.Module | None) -> bool:
+        if self._shard_policy is None:
+            return default_shard_policy(module, name, parent)
+        return bool(self._shard_policy(module, name))
+
+    # -- running -------------------------------------------------------------------------------
+    def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self._pending:
+            self._shard_pending()
+        try:
+            return call_on_this_thread(self._replica_context, self.primary_device, fn, args, kwargs)
+        except RuntimeError as error:
+            if isinstance(error, WorkerUnavailableError) or not _is_communication_failure(error):
+                raise
+            # A worker that died or stalled is named; any other failure is the program's own.
+            missing = self._group.missing_workers()
+            if missing == ([], []):
+                raise
+            raise self._group.describe_failure(
+                "A fully sharded step (gather or reduce-scatter)", error, missing=missing) from error
+
+    # -- across workers -------------------------------------------------------------------------
+    def reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._num_workers == 1:
+            return tensor
+        return self._group.all_reduce_(tensor.detach().clone(), what="reduce")
+
+    def gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if self._num_workers == 1:
+            return tensor
+        return self._group.all_gather_along(tensor.detach(), axis, what="gather")
+
+    def any_worker_has_data(self, local_has_data: bool) -> bool:
+        if self._num_workers == 1:
+            return local_has_data
+        flag = torch.tensor([1 if local_has_data else 0], dtype=torch.int64)
+        return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
+
+    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
+        return self._group.all_gather_objects(obj, what=what)
+
+    @property
+    def coordination_store(self) -> Any | None:
+        return self._group.store
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def load_checkpoint_state(self, obj: Any, state: Any) -> Any:
+        """Load sharded states as they are, whole tensors (from a plain checkpoint, or any
+        other strategy's) cut to this worker's shard."""
+        if isinstance(obj, nn.Module):
+            current = obj.state_dict()
+            state = {k: _like(v, current.get(k)) for k, v in state.items()}
+            return obj.load_state_dict(state)
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(state, dict) and "state" in state:
+            params = [p for group in obj.param_groups for p in group["params"]]
+            per_param = {}
+            for index, values in state["state"].items():
+                param = params[index] if isinstance(index, int) and index < len(params) else None
+                per_param[index] = {k: _like(v, param) for k, v in values.items()}
+            return obj.load_state_dict({**state, "state": per_param})
+        return obj.load_state_dict(state)
+
+
+def _like(value: Any, target: Any) -> Any:
+    """``value`` cut like ``target`` when the target is sharded and the value whole."""
+    if (
+        isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+        and tuple(value.shape) == tuple(target.shape)
+    ):
+        whole = value.to(device=target.to_local().device, dtype=target.dtype)
+        return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+    return value
+
+
+def _named_tensors(root: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    named = [(root, n, p) for n, p in root.named_parameters()]
+    return named + [(root, n, b) for n, b in root.named_buffers()]
+
+
+def _post_order(root: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """(name, module, parent) of every module under ``root``, children before parents."""
+    out: list[tuple[str, nn.Module, nn.Module | None]] = []
+
+    def visit(name: str, module: nn.Module, parent: nn.Module | None) -> None:
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, module)
+        out.append((name, module, parent))
+
+    visit("", root, None)
+    return out
+
+
+def _is_communication_failure(error: BaseException) -> bool:
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in ("connection", "timed out", "timeout", "peer", "socket", "closed"))
+
+
+def _check_mesh_shape(mesh_shape: Sequence[int] | None, num_workers: int) -> tuple[int, ...]:
+    if mesh_shape is None:
+        return (num_workers,)
+    shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else ()
+    if len(shape) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise InvalidArgumentError(
+            f"mesh_shape must be (replicate, shard), two positive ints, got {mesh_shape!r}; "
+            f"leave it None to shard over all {num_workers} workers."
+        )
+    if shape[0] * shape[1] != num_workers:
+        raise InvalidArgumentError(
+            f"mesh_shape {shape} covers {shape[0] * shape[1]} workers but the cluster has "
+            f"{num_workers}; replicate x shard must equal the number of workers."
+        )
+    return shape
+
+
+class FullyShardedStrategy(Strategy):
+    """Data parallelism with parameters, gradients and optimizer state sharded over workers.
+
+    The same step function as every other strategy (``scope``, ``run``, ``reduce``,
+    ``compute_average_loss``, distributed datasets, ``fit``); each worker holds about 1/N of
+    the model and of the optimizer state. Start one process per device, as for
+    ``MultiWorkerMirroredStrategy`` (``torch-distribute launch --nproc 2 train.py``).
+
+    - ``shard_policy(module, qualified_name) -> bool``: which submodules get their own shard
+      (gathered only around their own forward and backward); the default is
+      ``default_shard_policy``. The root is always sharded.
+    - ``reshard_after_forward``: free the gathered parameters after the forward (FSDP2's
+      option; ``False`` keeps them until the backward, trading memory for a second gather).
+    - ``mesh_shape=(replicate, shard)``: hybrid sharding, shards within groups of ``shard``
+      workers, replicated across the ``replicate`` groups.
+    - ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (for example bf16 parameters in
+      the forward and backward, float32 gradients reduced and kept).
+
+    >>> import torch, torch_distribute as td
+    >>> strategy = td.FullyShardedStrategy()   # no cluster: one local worker
+    >>> with strategy.scope():
+    ...     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> type(model[0].weight).__name__
+    'DTensor'
+    >>> strategy.extended.worker_group.close()
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+        shard_policy: ShardPolicy | None = None,
+        reshard_after_forward: bool | int = True,
+        mesh_shape: Sequence[int] | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        device: DeviceLike | None = None,
+    ):
+        resolver = cluster_resolver or resolve_cluster()
+        if hasattr(resolver, "validate"):
+            resolver.validate()
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
+            )
+        if shard_policy is not None and not callable(shard_policy):
+            raise InvalidArgumentError(
+                f"shard_policy must be a callable (module, name) -> bool, got {type(shard_policy).__name__}."
+            )
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise InvalidArgumentError(
+                "mixed_precision must be torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                f"{type(mixed_precision).__name__}."
+            )
+        chosen = canonicalize(device) if device is not None else default_worker_devices(resolver)[0]
+        if dist.is_initialized():
+            raise WorkerUnavailableError(
+                "torch.distributed is already initialized in this process; create the "
+                "FullyShardedStrategy before any other process group (or destroy it first)."
+            )
+        self._cluster_resolver = resolver
+        super().__init__(FullyShardedExtended(
+            self, chosen, resolver, options, shard_policy, reshard_after_forward,
+            mesh_shape, mixed_precision,
+        ))
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        return self._cluster_resolver
+
