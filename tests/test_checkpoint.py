@@ -380,7 +380,7 @@ def test_assert_consumed_reports_both_directions(tmp_path):
 
 
 def test_non_chief_computes_state_but_writes_nothing(tmp_path, monkeypatch):
-    fake = types.SimpleNamespace(extended=types.SimpleNamespace(should_checkpoint=False))
+    fake = types.SimpleNamespace(extended=types.SimpleNamespace(should_checkpoint=False, checkpoint_is_sharded=False))
     monkeypatch.setattr(ckpt_lib.context, "get_strategy", lambda: fake)
     ckpt = Checkpoint(step=torch.zeros(()))
     assert ckpt.save(tmp_path / "ckpt") == str(tmp_path / "ckpt-1")

@@ -3,6 +3,7 @@
     torch-distribute devices    # what MirroredStrategy() would use on this machine
     torch-distribute version
     torch-distribute launch --nproc 2 train.py --epochs 3   # local workers, see `launch -h`
+    torch-distribute checkpoint convert ckpt-3 model.pt     # a sharded checkpoint as one file
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ def _launch(args: argparse.Namespace) -> int:
     return launch_main(args.launch_args)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from torch_distribute.checkpoint.sharded_io import convert_to_file
+    from torch_distribute.errors import CheckpointError
+
+    try:
+        convert_to_file(args.source, args.target)
+    except CheckpointError as error:
+        print(f"torch-distribute checkpoint convert: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.target}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "launch":  # everything after `launch` belongs to the launcher
@@ -45,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("devices", help="list the devices a strategy would use").set_defaults(run=_devices)
     commands.add_parser("version", help="print versions").set_defaults(run=_version)
+    checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
+    checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    convert = checkpoint_commands.add_parser(
+        "convert", help="write a sharded checkpoint directory (FullyShardedStrategy) as one plain file"
+    )
+    convert.add_argument("source", help="the sharded checkpoint directory, e.g. ckpts/ckpt-3")
+    convert.add_argument("target", help="the file to write; loads under any strategy or none")
+    convert.set_defaults(run=_convert)
     launch = commands.add_parser(
         "launch", help="start local worker processes of a training script", add_help=False
     )

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from torch_distribute.checkpoint import Checkpoint, CheckpointManager, owning_strategy
+from torch_distribute.checkpoint.file_io import remove_checkpoint
 from torch_distribute.errors import InvalidArgumentError
 
 _PREEMPTION_KEY = "td/preemption_step"
@@ -189,8 +190,7 @@ class BackupAndRestore:
         """Training is over: delete the backup (``delete_checkpoint=True``)."""
         if self._delete_checkpoint and self._strategy.extended.should_checkpoint:
             for path in self._manager.checkpoints:
-                if os.path.exists(path):
-                    os.remove(path)
+                remove_checkpoint(path)
             index = os.path.join(self._manager.directory, "checkpoint")
             if os.path.exists(index):
                 os.remove(index)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -25,7 +26,23 @@ import torch
 
 from torch_distribute.errors import CheckpointError
 
-__all__ = ["FORMAT", "VERSION", "atomic_write", "directory_of", "load_payload"]
+__all__ = [
+    "FORMAT",
+    "LAYOUT_FILENAME",
+    "VERSION",
+    "atomic_write",
+    "check_payload",
+    "checkpoint_exists",
+    "directory_of",
+    "is_sharded_checkpoint",
+    "load_payload",
+    "remove_checkpoint",
+]
+
+#: In a sharded checkpoint directory: the payload with tensors replaced by their keys, and
+#: torch.distributed.checkpoint's index of the shards.
+LAYOUT_FILENAME = "layout.pt"
+_DCP_METADATA = ".metadata"
 
 FORMAT = "torch-distribute-checkpoint"
 VERSION = 1
@@ -39,6 +56,25 @@ _FILE_MODE = 0o666 & ~_UMASK
 def directory_of(path: str) -> str:
     """The directory part of ``path``; ``"."`` for a bare file name."""
     return os.path.dirname(path) or "."
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory."""
+    return os.path.isfile(os.path.join(path, LAYOUT_FILENAME)) and os.path.isfile(os.path.join(path, _DCP_METADATA))
+
+
+def checkpoint_exists(path: str) -> bool:
+    """Whether ``path`` is a checkpoint: a file, or a sharded checkpoint directory."""
+    return os.path.isfile(path) or is_sharded_checkpoint(path)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete the checkpoint ``path`` (a file or a sharded directory); gone already is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
@@ -87,6 +123,11 @@ def load_payload(path: str) -> dict[str, Any]:
             f"{type(exc).__name__}: {detail}. The file is corrupt, or holds values other than "
             "tensors and plain Python values (a state_dict() with functions or custom classes)."
         ) from exc
+    return check_payload(path, payload)
+
+
+def check_payload(path: str, payload: Any) -> dict[str, Any]:
+    """``payload`` if it is a torch-distribute checkpoint this version reads, else ``CheckpointError``."""
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(
             f"File {path!r} is not a torch-distribute checkpoint (no format tag "

@@ -16,7 +16,12 @@ import os
 import re
 from typing import Any
 
-from torch_distribute.checkpoint.file_io import atomic_write, directory_of
+from torch_distribute.checkpoint.file_io import (
+    atomic_write,
+    checkpoint_exists,
+    directory_of,
+    is_sharded_checkpoint,
+)
 from torch_distribute.errors import CheckpointError
 
 __all__ = [
@@ -61,7 +66,7 @@ def scan_numbered(directory: str, name: str | None = None) -> list[str]:
         return []
     for entry in entries:
         match = NUMBERED.match(entry.name)
-        if entry.name.startswith(".") or match is None or not entry.is_file():
+        if entry.name.startswith(".") or match is None or not checkpoint_exists(entry.path):
             continue
         if name is None or match["name"] == name:
             found.append((int(match["number"]), entry.stat().st_mtime, entry.name))
@@ -73,7 +78,7 @@ def available(directory: str) -> list[str]:
     index = read_index(directory) or {}
     names = [n for n in index.get("all", []) if isinstance(n, str)]
     names += [n for n in scan_numbered(directory) if n not in names]
-    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
+    return [os.path.join(directory, n) for n in names if checkpoint_exists(os.path.join(directory, n))]
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
@@ -91,7 +96,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     if index is not None:
         candidates = [index.get("latest")] + list(reversed(index.get("all", [])))
         for name in candidates:
-            if isinstance(name, str) and os.path.isfile(os.path.join(directory, name)):
+            if isinstance(name, str) and checkpoint_exists(os.path.join(directory, name)):
                 return os.path.join(directory, name)
     scanned = scan_numbered(directory)
     return os.path.join(directory, scanned[-1]) if scanned else None
@@ -100,7 +105,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 def missing_path_error(path: str) -> CheckpointError:
     """The error for a checkpoint ``path`` that is no file, naming the checkpoints there are."""
     directory = directory_of(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not is_sharded_checkpoint(path):
         return CheckpointError(
             f"Checkpoint path {path!r} is a directory; pass a checkpoint file, e.g. "
             f"td.latest_checkpoint({path!r})."

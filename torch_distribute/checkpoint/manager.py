@@ -15,9 +15,9 @@ The manager records its files in the directory's ``checkpoint`` index (see ``ind
 
 from __future__ import annotations
 
-import contextlib
 import os
 
+from torch_distribute.checkpoint.file_io import checkpoint_exists, remove_checkpoint
 from torch_distribute.checkpoint.index import (
     NUMBERED,
     latest_checkpoint,
@@ -80,7 +80,7 @@ class CheckpointManager:
         ]
         if not names:
             names = scan_numbered(self._directory, self._name)
-        return [n for n in names if os.path.isfile(os.path.join(self._directory, n))]
+        return [n for n in names if checkpoint_exists(os.path.join(self._directory, n))]
 
     @property
     def directory(self) -> str:
@@ -121,8 +121,7 @@ class CheckpointManager:
             # Index first: a crash before the deletes leaves extra files, never a dangling index.
             write_index(self._directory, basename, names)
             for old in stale:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self._directory, old))
+                remove_checkpoint(os.path.join(self._directory, old))
         return path
 
     def restore_or_initialize(self) -> str | None:

@@ -22,16 +22,22 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from torch_distribute import context
 from torch_distribute.checkpoint.file_io import (
     FORMAT,
     VERSION,
     atomic_write,
+    check_payload,
+    checkpoint_exists,
     directory_of,
+    is_sharded_checkpoint,
     load_payload,
 )
 from torch_distribute.checkpoint.index import missing_path_error, read_index, write_index
+from torch_distribute.checkpoint.sharded_io import read_sharded, split_tensors, write_sharded
 from torch_distribute.errors import CheckpointError, ContextError, InvalidArgumentError
 from torch_distribute.strategies import owner_of
 
@@ -47,7 +53,10 @@ _RESERVED = frozenset({"save_counter"})
 
 
 def _to_cpu(value: Any) -> Any:
-    """``value`` with every tensor detached and on the CPU (dicts, lists, tuples recursed)."""
+    """``value`` with every tensor detached and on the CPU (dicts, lists, tuples recursed);
+    sharded tensors (DTensors) stay where they are, each worker writes its own shard."""
+    if isinstance(value, DTensor):
+        return value.detach()
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
@@ -274,7 +283,7 @@ class Checkpoint:
             index = read_index(directory) or {}
             names = [
                 n for n in index.get("all", [])
-                if isinstance(n, str) and n != basename and os.path.isfile(os.path.join(directory, n))
+                if isinstance(n, str) and n != basename and checkpoint_exists(os.path.join(directory, n))
             ]
             write_index(directory, basename, names + [basename])
         return path
@@ -300,15 +309,35 @@ class Checkpoint:
 
     def _restore_from(self, path: str, restore_counter: bool) -> CheckpointLoadStatus:
         _check_not_in_replica("restore")
-        if not os.path.isfile(path):
+        if is_sharded_checkpoint(path):
+            payload = self._read_sharded(path)
+        elif os.path.isfile(path):
+            payload = load_payload(path)
+        else:
             raise missing_path_error(path)
-        payload = load_payload(path)
         missing, unexpected = self._load(payload, restore_counter, prefix="")
         return CheckpointLoadStatus(path, missing, unexpected)
 
 
+    def _read_sharded(self, path: str) -> dict[str, Any]:
+        """Read a sharded checkpoint: the shards of objects that are sharded here, every
+        other tensor whole."""
+        targets: dict[str, torch.Tensor] = {}
+        if owning_strategy([self]).extended.checkpoint_is_sharded:
+            _, targets = split_tensors({"objects": self.state_dict()["objects"]})
+        try:
+            payload = read_sharded(path, targets)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(
+                f"Sharded checkpoint {path!r} could not be read: {type(exc).__name__}: {exc}. "
+                "The directory is incomplete or damaged; restore an earlier checkpoint."
+            ) from exc
+        return check_payload(path, payload)
+
+
 def write_checkpoint_file(checkpoint: Checkpoint, path: str, save_counter: int, method: str) -> None:
-    """Serialize ``checkpoint`` with ``save_counter`` into ``path`` (chief only).
+    """Serialize ``checkpoint`` with ``save_counter`` into ``path`` (the chief writes one
+    file; under a sharded strategy every worker writes its shards into the directory ``path``).
 
     ``method`` names the caller in errors. Counters and the index are left unchanged.
     """
@@ -320,11 +349,17 @@ def write_checkpoint_file(checkpoint: Checkpoint, path: str, save_counter: int, 
         "save_counter": save_counter,
         "objects": state["objects"],
     }
-    if not should_write(checkpoint):
-        return
+    extended = owning_strategy([checkpoint]).extended
     try:
+        if extended.checkpoint_is_sharded:
+            # Every worker writes its own shards; the chief also writes the layout.
+            write_sharded(path, payload, extended.should_checkpoint,
+                          barrier=lambda what: extended.all_gather_objects(None, what))
+            return
+        if not should_write(checkpoint):
+            return
         atomic_write(path, lambda f: torch.save(payload, f))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(
             f"Could not write checkpoint {path!r}: {exc}. Any previous checkpoint there is "
             "unchanged; check the disk space and that every state_dict() holds only "
