@@ -16,6 +16,11 @@ Compared (see each script's docstring):
   the hand-written ``torch.compile`` loop (compiled model, or compiled step function) and the
   eager loops (goal: speed hand-compiled / ``td.function`` >= 0.98), with compile seconds, the
   graphs compiled and the parameters vs the hand-written eager loop.
+* (e) ``bench_fully_sharded.py``: ``FullyShardedStrategy`` over 2 gloo worker processes vs
+  hand-written FSDP2 (``fully_shard``) and vs ``MultiWorkerMirroredStrategy``, on the GPT of
+  ``examples/gpt_fully_sharded.py`` (goal: throughput ours / hand-written FSDP2 >= 0.97), with
+  each worker's bytes of parameters + optimizer state and peak RSS, and a check that it
+  trains like the hand-written FSDP2 (bitwise equal parameters).
 
 Each benchmark runs as a subprocess (its variants in processes of their own), so thread
 settings and torch hooks never leak between measurements. ``make bench`` calls this script.
@@ -35,15 +40,17 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results.md")
 TIMEOUT_S = 600
-TIMEOUT_S_PER_SCRIPT = {"bench_compile.py": 900}  # cold compiles, twice per compiling variant
+TIMEOUT_S_PER_SCRIPT = {"bench_compile.py": 900, "bench_fully_sharded.py": 900}  # cold compiles, twice per compiling variant
 
 QUICK_ARGS = {
     "bench_one_device.py": ["--rounds", "3", "--steps", "10", "--warmup", "3"],
     "bench_mirrored.py": ["--rounds", "3", "--steps", "5", "--warmup", "2", "--check-steps", "3"],
     "bench_multi_worker.py": ["--quick"],
     "bench_compile.py": ["--quick"],
+    "bench_fully_sharded.py": ["--quick"],
 }
-SCRIPTS = ("bench_one_device.py", "bench_mirrored.py", "bench_multi_worker.py", "bench_compile.py")
+SCRIPTS = ("bench_one_device.py", "bench_mirrored.py", "bench_multi_worker.py", "bench_compile.py",
+           "bench_fully_sharded.py")
 
 
 def run(script: str, extra: list[str]) -> tuple[dict | None, str, int]:
@@ -75,7 +82,7 @@ def machine_line(output: str) -> str:
 
 
 def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: str,
-          compiled: dict | None = None) -> str:
+          compiled: dict | None = None, sharded: dict | None = None) -> str:
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     sps = lambda s: f"{1 / s:.1f}"  # noqa: E731
     lines = [
@@ -135,6 +142,10 @@ def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: 
         lines += compiled_rows(compiled)
     else:
         lines.append("| (d) compiled steps | failed | | | | |")
+    if sharded:
+        lines += fully_sharded_rows(sharded)
+    else:
+        lines.append("| (e) fully sharded | failed | | | | |")
     lines.append("")
     if one:
         lines.append(
@@ -159,6 +170,8 @@ def table(one: dict | None, mirrored: dict | None, multi: dict | None, machine: 
         )
     if compiled:
         lines.append(compiled_note(compiled))
+    if sharded:
+        lines.append(fully_sharded_note(sharded))
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +228,50 @@ def compiled_note(c: dict) -> str:
     return note
 
 
+FULLY_SHARDED_ORDER = ("FSDP2", "FSDP2-reshard-all", "ours", "MWMS")
+
+
+def fully_sharded_rows(f: dict) -> list[str]:
+    """(e): one row per variant; the ratio column gives ours' throughput over the variant's."""
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    m = f["model"]
+    rows = []
+    for k, name in enumerate(FULLY_SHARDED_ORDER):
+        v = f["variants"][name]
+        head = (f"| (e) {f['workers']} workers, GPT {m['layers']}x{m['width']}, context {m['seq_len']}, "
+                f"global batch {f['global_batch']}") if k == 0 else "|"
+        ratio, goal = "", ""
+        if name == "FSDP2":
+            ratio = f"**{f['throughput_ratio_ours_over_fsdp2']:.3f}** (throughput, ours / this)"
+            goal = ">= 0.97"
+        elif name != "ours":
+            ratio = f"{v['throughput_ours_over_this']:.3f} (throughput, ours / this)"
+        rows.append(f"{head} | {v['label']} | {ms(v['s_per_step'])} | {1 / v['s_per_step']:.2f} | {ratio} | {goal} |")
+    return rows
+
+
+def fully_sharded_note(f: dict) -> str:
+    mib = 2**20
+    parts = []
+    for name in FULLY_SHARDED_ORDER:
+        v = f["variants"][name]
+        held = max(v["local_bytes"])
+        parts.append(
+            f"{name} {held / mib:.1f} MiB ({held / v['whole_bytes']:.2f} of {v['whole_bytes'] / mib:.1f}), "
+            f"peak RSS {max(v['peak_rss']) / mib:.0f} MiB (+{max(v['peak_rss_over_start']) / mib:.0f} "
+            "over the RSS before the model)")
+    diffs = ", ".join(f"{name} {f['variants'][name]['param_max_abs_diff_vs_ours']:.1e}"
+                      for name in FULLY_SHARDED_ORDER if name != "ours")
+    m = f["model"]
+    return (
+        f"(e) GPT of `examples/gpt_fully_sharded.py` ({m['parameters']:,} parameters, AdamW), "
+        f"2 gloo processes x 1 thread per variant, {f['rounds']} rounds of {f['steps']} steps. Per worker, "
+        f"parameters + optimizer state held (largest worker) and peak RSS: {'; '.join(parts)}. "
+        f"Parameters after the {f['steps_trained']} timed steps vs ours, max abs diff: {diffs} "
+        "(bitwise equal expected for the hand-written FSDP2)."
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not figures")
@@ -231,6 +288,7 @@ def main() -> int:
         results["bench_multi_worker.py"],
         next((line for line in map(machine_line, outputs.values()) if line), ""),
         results["bench_compile.py"],
+        results["bench_fully_sharded.py"],
     )
     print()
     print(md)
