@@ -48,7 +48,6 @@ Run: ``python benchmarks/bench_fully_sharded.py [--quick]`` (``--quick``: a smok
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import statistics
@@ -68,6 +67,7 @@ from common import (  # noqa: E402
     VariantProcess,
     emit,
     free_port,
+    init_gloo,
     load_average,
     machine_line,
     max_abs_diff,
@@ -231,13 +231,7 @@ class HandFSDP2(_Worker):
     reshard_root: bool | None = None
 
     def setup(self) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=self.rank,
-            world_size=self.world_size, timeout=datetime.timedelta(seconds=120),
-        )
-        self.dist = dist
+        self.dist = init_gloo(self.port, self.rank, self.world_size)
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:

@@ -26,7 +26,6 @@ Run: ``python benchmarks/bench_mirrored.py [--rounds R --steps N --warmup W]``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ from common import (  # noqa: E402
     emit,
     free_port,
     handwritten_trainer,
+    init_gloo,
     load_average,
     machine_line,
     max_abs_diff,
@@ -106,15 +106,8 @@ class DDP(Variant):
         self.rank, self.world_size, self.port = rank, world_size, port
 
     def setup(self) -> None:
-        import torch.distributed as dist
-
         torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(self.port)
-        dist.init_process_group(
-            "gloo", rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(seconds=120)
-        )
-        self.dist = dist
+        self.dist = init_gloo(self.port, self.rank, self.world_size)
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:

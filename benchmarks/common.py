@@ -384,6 +384,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_gloo(port: int, rank: int, world_size: int) -> Any:
+    """``torch.distributed`` with its default Gloo group made over loopback ``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    return dist
+
+
 # -- measuring -------------------------------------------------------------------------------
 def measure_interleaved(
     variants: Sequence[VariantProcess], steps: int, rounds: int, warmup: int

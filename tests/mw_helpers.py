@@ -8,8 +8,8 @@ processes and the test process build exactly the same things. No pytest, no
 from __future__ import annotations
 
 import json
-import os
 
+import proc_helpers
 import torch
 import torch.nn.functional as F
 
@@ -88,31 +88,4 @@ def emit(payload: dict) -> None:
 
 def parse_results(text: str) -> dict[int, dict]:
     """``{rank: payload}`` from worker output (plain, or prefixed ``[rank i] `` by the launcher)."""
-    out: dict[int, dict] = {}
-    for line in text.splitlines():
-        if line.startswith("[rank "):
-            line = line.split("] ", 1)[1] if "] " in line else line
-        if line.startswith(RESULT_PREFIX):
-            payload = json.loads(line[len(RESULT_PREFIX):])
-            out[payload["rank"]] = payload
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc), so nothing escapes the cleanup."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    return proc_helpers.parse_results(text, RESULT_PREFIX)

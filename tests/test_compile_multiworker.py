@@ -31,12 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_distribute.cluster.launcher import TORCHRUN_VARS
-
 WORKERS = Path(__file__).resolve().parent / "workers"
 sys.path.insert(0, str(WORKERS))
 import compiled_mwms as W  # noqa: E402
-import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups"),
               pytest.mark.timeout(240)]
@@ -79,8 +77,7 @@ def _kill(identities: set[tuple[int, int]]) -> None:
 
 def _run_job(replicas: int, log: Path) -> tuple[int | None, str]:
     """Launch 2 workers; return the launcher's exit code (None if killed here) and the output."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    env = P.clean_env(TORCHINDUCTOR_COMPILE_THREADS="1")
     argv = [sys.executable, "-u", "-m", "torch_distribute.launch", "--nproc", "2",
             "--timeout", str(LAUNCHER_TIMEOUT_S), "--grace-period", "2",
             WORKER, "--replicas", str(replicas), "--timeout", str(COLLECTIVE_TIMEOUT_S),
@@ -95,7 +92,7 @@ def _run_job(replicas: int, log: Path) -> tuple[int | None, str]:
     try:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            seen.update(i for i in map(_identity, H.descendants(proc.pid)) if i is not None)
+            seen.update(i for i in map(_identity, P.descendants(proc.pid)) if i is not None)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.wait(timeout=0.5)
                 break

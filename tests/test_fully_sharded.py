@@ -50,6 +50,7 @@ from torch_distribute.cluster.launcher import TORCHRUN_VARS, free_ports, launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "multiworker"))
 import fs_model as M  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups"),
@@ -69,66 +70,16 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 NAMES_WORKER = r"worker(\(s\))?\s+{}\b"
 
 
-# -- process handling ------------------------------------------------------------------------
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc`` (if it still runs), its process group and every descendant; reap it."""
-    if proc.poll() is None:
-        for pid in [proc.pid, *M.descendants(proc.pid)]:
-            for kill in (os.killpg, os.kill):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
+# -- process handling: tests/proc_helpers.py -------------------------------------------------
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-               TORCHINDUCTOR_COMPILE_THREADS="1")
-    env.update(extra)
-    return env
-
-
-class _Processes:
-    """Worker processes in their own sessions, output to files; all killed at the end."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-
-    def spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        log = self.log_dir / f"{len(self.procs)}-{name}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-u", *argv], env=env, cwd=REPO,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs.append(proc)
-        self.logs.append(log)
-        return proc
-
-    def output(self, proc: subprocess.Popen) -> str:
-        return self.logs[self.procs.index(proc)].read_text(errors="replace")
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            _kill_tree(proc)
-
-
-@contextlib.contextmanager
-def _processes(log_dir: Path):
-    procs = _Processes(log_dir)
-    try:
-        yield procs
-    finally:
-        procs.kill_all()
+    return P.clean_env(PYTHONWARNINGS="ignore", TORCHINDUCTOR_COMPILE_THREADS="1", **extra)
 
 
 def _tf_config(cluster: dict[str, list[str]], index: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def _spawn_job(procs: _Processes, nproc: int, argv: list[str], name: str) -> list[subprocess.Popen]:
+def _spawn_job(procs: P.Processes, nproc: int, argv: list[str], name: str) -> list[subprocess.Popen]:
     """``nproc`` workers of ``fs_job.py`` with a TF_CONFIG each (no launcher)."""
     cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(nproc)]}
     return [procs.spawn([JOB, *argv], _clean_env(TF_CONFIG=_tf_config(cluster, r), FS_RANK=str(r)),
@@ -138,7 +89,7 @@ def _spawn_job(procs: _Processes, nproc: int, argv: list[str], name: str) -> lis
 def _launch(argv: list[str], nproc: int, env_mode: str) -> dict:
     """Run a job under the launcher (in this process); every worker is stopped when it returns."""
     out, err = io.StringIO(), io.StringIO()
-    before = set(M.descendants(os.getpid()))
+    before = set(P.descendants(os.getpid()))
     started = time.monotonic()
     try:
         code = launch([JOB, "--timeout", str(JOB_TIMEOUT_S), *argv], nproc, env_mode=env_mode,
@@ -148,7 +99,7 @@ def _launch(argv: list[str], nproc: int, env_mode: str) -> dict:
                       stdout=out, stderr=err)
     finally:
         # launch() kills its workers' groups itself; anything new still here is killed too.
-        for pid in set(M.descendants(os.getpid())) - before:
+        for pid in set(P.descendants(os.getpid())) - before:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError, OSError):
@@ -188,7 +139,7 @@ def side_jobs(tmp_path_factory):
     """Hybrid (2, 1), hybrid (1, 2) and bf16: 2 workers each, all started at once."""
     variants = {"mesh21": ["--mesh", "2,1"], "mesh12": ["--mesh", "1,2"], "bf16": ["--bf16"]}
     started = time.monotonic()
-    with _processes(tmp_path_factory.mktemp("fs_side")) as procs:
+    with P.processes(tmp_path_factory.mktemp("fs_side")) as procs:
         jobs = {name: _spawn_job(procs, 2, ["--timeout", str(JOB_TIMEOUT_S), *argv], name)
                 for name, argv in variants.items()}
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -351,7 +302,7 @@ def test_reduce_all_reduce_and_metrics_over_all_workers(name, request):
 def failures(tmp_path_factory):
     """Worker 1 of 3 SIGKILLs itself at step 3; the chief of 2 does. Survivors report once."""
     scenarios = {"worker1_of_3": (3, 1), "chief_of_2": (2, 0)}
-    with _processes(tmp_path_factory.mktemp("fs_failures")) as procs:
+    with P.processes(tmp_path_factory.mktemp("fs_failures")) as procs:
         started: dict[str, list[subprocess.Popen]] = {}
         for name, (n, kill) in scenarios.items():
             cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(n)]}

@@ -10,22 +10,16 @@ session) is killed and reaped whatever happens.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from torch_distribute.cluster.launcher import TORCHRUN_VARS
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
 
@@ -39,58 +33,21 @@ LAUNCH_TIMEOUT_S = 70  # the launcher stops its workers after this
 WAIT_S = 85  # then this test kills the launcher's whole tree
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc``'s session and every descendant (if it still runs), then reap it."""
-    if proc.poll() is None:
-        for pid in [proc.pid, *H.descendants(proc.pid)]:
-            for kill in (os.killpg, os.kill):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
-def _results(text: str) -> dict[int, dict]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("[rank "):
-            line = line.split("] ", 1)[1] if "] " in line else line
-        if line.startswith(PREFIX):
-            payload = json.loads(line[len(PREFIX):])
-            out[payload["rank"]] = payload
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """Both strategies launched at once; ``{strategy: {"code", "text", "results"}}``."""
-    log_dir = tmp_path_factory.mktemp("gpt")
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    try:
-        for strategy in ("fully_sharded", "multi_worker_mirrored"):
-            log = log_dir / f"{strategy}.log"
-            with open(log, "w") as out:
-                procs[strategy] = (subprocess.Popen(
-                    [sys.executable, "-u", "-m", "torch_distribute.launch", "--nproc", "2",
-                     "--timeout", str(LAUNCH_TIMEOUT_S), "--grace-period", "2",
-                     EXAMPLE, "--strategy", strategy, *FLAGS],
-                    env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True), log)
+    with P.processes(tmp_path_factory.mktemp("gpt")) as procs:
+        started = {strategy: procs.spawn(
+            ["-m", "torch_distribute.launch", "--nproc", "2", "--timeout", str(LAUNCH_TIMEOUT_S),
+             "--grace-period", "2", EXAMPLE, "--strategy", strategy, *FLAGS], P.clean_env(), strategy)
+            for strategy in ("fully_sharded", "multi_worker_mirrored")}
         deadline = time.monotonic() + WAIT_S
         out = {}
-        for strategy, (proc, log) in procs.items():
-            try:
-                code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            text = log.read_text()
-            out[strategy] = {"code": code, "text": text, "results": _results(text)}
+        for strategy, proc in started.items():
+            code = procs.wait(proc, deadline - time.monotonic())
+            text = procs.output(proc)
+            out[strategy] = {"code": code, "text": text, "results": P.parse_results(text, PREFIX)}
         return out
-    finally:
-        for proc, _ in procs.values():
-            _kill_tree(proc)
 
 
 @pytest.mark.timeout(150)

@@ -1,0 +1,124 @@
+"""Process handling shared by the tests that start worker processes.
+
+Every worker is started in its own session, its output goes to a file, and whatever happens
+the test kills it, its process group and every descendant (found through /proc, so a
+launcher's children cannot escape). No pytest and no torch at import: worker scripts import
+this module too (through ``mw_helpers`` and ``multiworker/fs_model``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_results(text: str, prefix: str) -> dict[int, dict]:
+    """``{rank: payload}`` from the JSON lines starting with ``prefix`` in worker output.
+
+    Lines may be plain or prefixed ``[rank i] `` by the launcher.
+    """
+    out: dict[int, dict] = {}
+    for line in text.splitlines():
+        if line.startswith("[rank ") and "] " in line:
+            line = line.split("] ", 1)[1]
+        if line.startswith(prefix):
+            payload = json.loads(line[len(prefix):])
+            out[payload["rank"]] = payload
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc), so nothing escapes the cleanup."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` (if it still runs), its process group and every descendant; reap it.
+
+    Works on stopped (SIGSTOP) processes too. A process that already exited is left alone:
+    our worker scripts have no children, and the launcher stops its own before exiting.
+    """
+    if proc.poll() is None:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without torchrun's variables or TF_CONFIG, one thread each."""
+    from torch_distribute.cluster.launcher import TORCHRUN_VARS  # only the tests call this
+
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+class Processes:
+    """Python processes in their own sessions, output to files; all killed by ``kill_all``."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+
+    def spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
+        """``python -u *argv`` from the repository root, output to ``log_dir/<n>-<name>.log``."""
+        log = self.log_dir / f"{len(self.procs)}-{name}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-u", *argv], env=env, cwd=REPO,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def output(self, proc: subprocess.Popen) -> str:
+        return self.logs[self.procs.index(proc)].read_text(errors="replace")
+
+    def wait(self, proc: subprocess.Popen, limit: float) -> int | None:
+        """Exit status, or None if ``proc`` still runs after ``limit`` seconds."""
+        try:
+            return proc.wait(timeout=max(0.0, limit))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc)
+
+
+@contextlib.contextmanager
+def processes(log_dir: Path) -> Iterator[Processes]:
+    """A :class:`Processes` whose every process is killed when the block ends, however."""
+    procs = Processes(log_dir)
+    try:
+        yield procs
+    finally:
+        procs.kill_all()
