@@ -2,10 +2,12 @@
 
 Wrap the loops, and the training state (your checkpoint: models, optimizers, metrics; plus
 epoch, step, the position in the data and every RNG state) is backed up every ``save_freq``
-steps (or every epoch) by the chief, atomically. When the program starts again with a backup
-present, the state is restored and the loops continue at the same epoch and step, on the
-same data, with the same random numbers: a run killed and restarted ends with the same
-parameters as one that was never interrupted.
+steps (or every epoch), atomically and with a checksum. The save is collective: the chief
+writes, and every worker goes on only once the backup is complete. When the program starts
+again with a backup present, every worker restores it (an older one, with a warning, if the
+newest is damaged) and the loops continue at the same epoch and step, on the same data, with
+the same random numbers: a run killed and restarted ends with the same parameters as one
+that was never interrupted.
 
 A preemption signal (SIGTERM) to any worker makes every worker save at the same step, then
 exit, as TensorFlow's ``PreemptionCheckpointHandler`` does: the preempted worker publishes
@@ -24,6 +26,7 @@ every step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -35,7 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_distribute.checkpoint import Checkpoint, CheckpointManager, owning_strategy
+from torch_distribute.checkpoint import (
+    INDEX_FILENAME,
+    Checkpoint,
+    CheckpointManager,
+    owning_strategy,
+)
+from torch_distribute.checkpoint.collective import num_workers
 from torch_distribute.checkpoint.file_io import remove_checkpoint
 from torch_distribute.errors import InvalidArgumentError
 
@@ -187,13 +196,17 @@ class BackupAndRestore:
                 self._exit_fn()
 
     def finish(self) -> None:
-        """Training is over: delete the backup (``delete_checkpoint=True``)."""
-        if self._delete_checkpoint and self._strategy.extended.should_checkpoint:
+        """Training is over: delete the backup (``delete_checkpoint=True``).
+
+        Under several workers every worker deletes what it sees: its own copy where each
+        worker has its own disk, the chief's files on a shared one (deleting twice is harmless).
+        """
+        extended = self._strategy.extended
+        if self._delete_checkpoint and (extended.should_checkpoint or num_workers(extended) > 1):
             for path in self._manager.checkpoints:
                 remove_checkpoint(path)
-            index = os.path.join(self._manager.directory, "checkpoint")
-            if os.path.exists(index):
-                os.remove(index)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self._manager.directory, INDEX_FILENAME))
 
     # -- saving -------------------------------------------------------------------------------
     def _save(self) -> str:

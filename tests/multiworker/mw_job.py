@@ -121,9 +121,9 @@ def _train():
 if args.save_dir:
     @section("save")
     def _save():
-        # Every worker calls save, each with its own directory: only the chief's may get
-        # files. Once in the training loop's context (outside any scope, as the tutorial
-        # does) and once inside strategy.scope().
+        # Every worker calls save, each with its own directory (the tutorial's pattern): each
+        # gets its own copy, as in TensorFlow. Once in the training loop's context (outside
+        # any scope, as the tutorial does) and once inside strategy.scope().
         ckpt = td.Checkpoint(model=model, optimizer=optimizer, metric=loss_metric)
         outside = ckpt.save(os.path.join(args.save_dir, "outside", f"w{rank}", "ckpt"))
         with strategy.scope():

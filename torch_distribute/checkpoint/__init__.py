@@ -25,10 +25,17 @@ index file, ``latest_checkpoint``), ``object_graph`` (``Checkpoint``) and ``mana
 
 from torch_distribute.checkpoint.file_io import FORMAT as FORMAT
 from torch_distribute.checkpoint.file_io import VERSION as VERSION
+from torch_distribute.checkpoint.file_io import CorruptCheckpointError
 from torch_distribute.checkpoint.index import INDEX_FILENAME as INDEX_FILENAME
 from torch_distribute.checkpoint.index import latest_checkpoint
 from torch_distribute.checkpoint.manager import CheckpointManager
 from torch_distribute.checkpoint.object_graph import Checkpoint, CheckpointLoadStatus
 from torch_distribute.checkpoint.object_graph import owning_strategy as owning_strategy
 
-__all__ = ["Checkpoint", "CheckpointLoadStatus", "CheckpointManager", "latest_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointLoadStatus",
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "latest_checkpoint",
+]

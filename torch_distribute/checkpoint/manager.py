@@ -1,7 +1,9 @@
 """``CheckpointManager``: numbered checkpoints in one directory, the newest ``max_to_keep`` kept.
 
 The manager records its files in the directory's ``checkpoint`` index (see ``index``), which
-``latest_checkpoint`` (re-exported here) reads.
+``latest_checkpoint`` (re-exported here) reads. Under several workers every worker calls
+``save`` (a collective: see ``collective``); a non-chief pointed at a directory of its own
+writes its own copy there and keeps its own index and ``max_to_keep`` there.
 
 >>> import tempfile, torch, torch_distribute as td
 >>> step = torch.zeros((), dtype=torch.int64)
@@ -16,17 +18,30 @@ The manager records its files in the directory's ``checkpoint`` index (see ``ind
 from __future__ import annotations
 
 import os
+import warnings
 
-from torch_distribute.checkpoint.file_io import checkpoint_exists, remove_checkpoint
+from torch_distribute.checkpoint.collective import num_workers
+from torch_distribute.checkpoint.file_io import (
+    CorruptCheckpointError,
+    checkpoint_exists,
+    remove_checkpoint,
+    remove_stale_temporaries,
+)
 from torch_distribute.checkpoint.index import (
     NUMBERED,
+    check_checkpoint,
     latest_checkpoint,
+    newest_intact,
     read_index,
     scan_numbered,
     write_index,
 )
-from torch_distribute.checkpoint.object_graph import Checkpoint, should_write, write_checkpoint_file
-from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.checkpoint.object_graph import (
+    Checkpoint,
+    owning_strategy,
+    write_checkpoint_file,
+)
+from torch_distribute.errors import CheckpointError, InvalidArgumentError
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -70,6 +85,7 @@ class CheckpointManager:
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
+        remove_stale_temporaries(self._directory)  # left by a save that crashed (see file_io)
         self._names = self._existing()
 
     def _existing(self) -> list[str]:
@@ -97,37 +113,101 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """Path of the newest checkpoint, or ``None``."""
-        return os.path.join(self._directory, self._names[-1]) if self._names else None
+        """Path of the newest intact checkpoint, or ``None``.
+
+        Cheap checks only (as ``td.latest_checkpoint``): a truncated newest checkpoint is
+        passed over with a warning naming it; ``restore_or_initialize`` also compares the
+        checksums.
+        """
+        return newest_intact(list(reversed(self.checkpoints)), repr(self._directory))
 
     def save(self, checkpoint_number: int | None = None) -> str:
         """Save ``directory/<checkpoint_name>-<n>`` and delete the oldest beyond ``max_to_keep``.
 
         ``n`` is ``checkpoint_number`` (e.g. the global step) or else the checkpoint's
-        incremented ``save_counter``. Returns the path written.
+        incremented ``save_counter``. Returns the path written. Every worker calls it and
+        returns once the file exists: see ``Checkpoint.save``.
         """
         counter = self._checkpoint.save_counter + 1
         number = counter if checkpoint_number is None else int(checkpoint_number)
         basename = f"{self._name}-{number}"
         path = os.path.join(self._directory, basename)
-        write_checkpoint_file(self._checkpoint, path, counter, "save")
-        self._checkpoint.save_counter = counter
         names = [n for n in self._names if n != basename] + [basename]
         stale: list[str] = []
         if self._max_to_keep is not None and len(names) > self._max_to_keep:
             stale, names = names[: -self._max_to_keep], names[-self._max_to_keep:]
-        self._names = names
-        if should_write(self._checkpoint):
+
+        def record() -> None:
             # Index first: a crash before the deletes leaves extra files, never a dangling index.
             write_index(self._directory, basename, names)
             for old in stale:
                 remove_checkpoint(os.path.join(self._directory, old))
+
+        write_checkpoint_file(self._checkpoint, path, counter, "save", after_write=record)
+        self._checkpoint.save_counter = counter
+        self._names = names
         return path
 
     def restore_or_initialize(self) -> str | None:
-        """Restore the latest checkpoint and return its path; ``None`` if there is none."""
-        latest = self.latest_checkpoint
-        if latest is None:
-            return None
-        self._checkpoint.restore(latest)
-        return latest
+        """Restore the newest intact checkpoint and return its path; ``None`` if there is none.
+
+        A checkpoint that is truncated or fails its checksum is passed over with a
+        ``warnings.warn`` naming it, and the next newest is restored (a damaged file is
+        detected before anything is restored from it). Raises ``CheckpointError`` if every
+        checkpoint is damaged. Under several workers every worker calls it: they compare what
+        they restored (one ``all_gather_objects``) and, if a checkpoint was damaged for some
+        of them, all fall back to the same older one, so no worker trains on other weights.
+        """
+        extended = owning_strategy([self._checkpoint]).extended
+        agreed: set[str] = set()  # damaged somewhere, as every worker knows (the same on all)
+        mine: set[str] = set()  # damaged here
+        damaged: list[CorruptCheckpointError] = []
+        while True:
+            restored = None
+            for path in reversed(self.checkpoints):
+                name = os.path.basename(path)
+                if name in agreed or name in mine or not checkpoint_exists(path):
+                    continue
+                try:
+                    check_checkpoint(path, full=False)
+                    self._checkpoint.restore(path)
+                except CorruptCheckpointError as exc:
+                    damaged.append(exc)
+                    mine.add(name)
+                    continue
+                restored = path
+                break
+            if num_workers(extended) <= 1:
+                agreed = mine
+                break
+            outcomes = extended.all_gather_objects(
+                {"restored": restored and os.path.basename(restored), "damaged": sorted(mine)},
+                what="CheckpointManager.restore_or_initialize")
+            chosen = {entry["restored"] for entry in outcomes}
+            everywhere = set().union(*(entry["damaged"] for entry in outcomes))
+            if len(chosen) == 1 and not (chosen & everywhere):
+                agreed |= everywhere
+                break
+            if everywhere <= agreed:  # no damage explains it: the workers see other files
+                raise CheckpointError(
+                    f"Workers restored different checkpoints from {self._directory!r}: "
+                    + ", ".join(f"worker {i}: {entry['restored']}" for i, entry in enumerate(outcomes))
+                    + ". Give every worker the same checkpoints (the same directory on a shared disk), "
+                    "or restore the chief's on every worker: "
+                    "checkpoint.restore(td.latest_checkpoint(chief_directory))."
+                )
+            for name in sorted(everywhere - agreed - mine):
+                workers = [i for i, entry in enumerate(outcomes) if name in entry["damaged"]]
+                warnings.warn(f"Checkpoint {os.path.join(self._directory, name)!r} is damaged on worker(s) "
+                              f"{workers}; every worker falls back to an older one.", stacklevel=2)
+            agreed |= everywhere  # damaged for some worker: every worker skips it
+        for exc in damaged:
+            if restored is not None:
+                warnings.warn(f"{exc} Restored {restored!r} instead, the newest intact checkpoint.", stacklevel=2)
+        if restored is None and agreed:  # on every worker, also where only others saw the damage
+            raise CorruptCheckpointError(
+                f"Every checkpoint in {self._directory!r} is damaged ({', '.join(sorted(agreed))}): "
+                + " ".join(str(e) for e in damaged)
+                + " Delete them to start from scratch, or restore a copy from elsewhere."
+            )
+        return restored

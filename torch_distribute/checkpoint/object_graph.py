@@ -5,8 +5,9 @@ checkpoints, tensors) and saves their states in one file. Files hold one logical
 every object, all tensors on the CPU, so a checkpoint written by any number of replicas or
 workers loads into any other number, or with no strategy at all. The state of an object a
 strategy captured is read and written through that strategy
-(``strategy.extended.checkpoint_state`` / ``load_checkpoint_state``); only the chief
-(``strategy.extended.should_checkpoint``) writes files.
+(``strategy.extended.checkpoint_state`` / ``load_checkpoint_state``). Writes are collective:
+every worker calls ``write``/``save``, the chief (``strategy.extended.should_checkpoint``)
+writes the file, and every worker returns once it is complete (see ``collective``).
 
 >>> import torch, torch_distribute as td
 >>> ckpt = td.Checkpoint(model=torch.nn.Linear(2, 1), inner=td.Checkpoint(step=torch.zeros(())))
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,15 +27,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from torch_distribute import context
+from torch_distribute.checkpoint.collective import write_collectively
 from torch_distribute.checkpoint.file_io import (
     FORMAT,
     VERSION,
-    atomic_write,
+    CorruptCheckpointError,
     check_payload,
     checkpoint_exists,
     directory_of,
     is_sharded_checkpoint,
     load_payload,
+    remove_stale_temporaries,
+    save_file,
 )
 from torch_distribute.checkpoint.index import missing_path_error, read_index, write_index
 from torch_distribute.checkpoint.sharded_io import read_sharded, split_tensors, write_sharded
@@ -45,7 +49,6 @@ __all__ = [
     "Checkpoint",
     "CheckpointLoadStatus",
     "owning_strategy",
-    "should_write",
     "write_checkpoint_file",
 ]
 
@@ -91,11 +94,6 @@ def owning_strategy(objects: Iterable[Any]) -> Any:
         if owner is not None:
             return owner
     return context.get_strategy()
-
-
-def should_write(checkpoint: Checkpoint) -> bool:
-    """Only the chief touches the files; other workers compute the same state and skip it."""
-    return bool(owning_strategy([checkpoint]).extended.should_checkpoint)
 
 
 def _object_strategy(obj: Any) -> Any | None:
@@ -247,6 +245,14 @@ class Checkpoint:
     def write(self, path: str | os.PathLike[str]) -> str:
         """Write exactly ``path``: no numbering, no index, ``save_counter`` unchanged.
 
+        Under several workers every worker calls it and returns only once the chief's file
+        is complete, so a ``read(path)`` on every worker right after reads the same file. A
+        worker that passes another path than the chief's writes its own copy there (TF's
+        ``write_filepath`` for non-chiefs); one that passes the chief's path but does not
+        see the chief's file there (its own disk) writes its copy too. Returns ``path``,
+        which exists on every worker. Raises ``CheckpointError`` on every worker if the
+        chief's write fails. The file carries a SHA-256 checksum (see ``file_io``).
+
         >>> import tempfile, os, torch, torch_distribute as td
         >>> ckpt = td.Checkpoint(w=torch.ones(2))
         >>> path = ckpt.write(os.path.join(tempfile.mkdtemp(), "weights.pt"))
@@ -260,7 +266,8 @@ class Checkpoint:
         """Write ``f"{file_prefix}-{n}"`` (``n`` = the incremented ``save_counter``).
 
         Also records the file as the latest in the directory's ``checkpoint`` index, which
-        ``td.latest_checkpoint`` reads. Returns the path written.
+        ``td.latest_checkpoint`` reads. Returns the path written. Collective under several
+        workers, as ``write``: the file and the index are complete on every worker's return.
 
         >>> import tempfile, os, torch, torch_distribute as td
         >>> ckpt = td.Checkpoint(step=torch.zeros((), dtype=torch.int64))
@@ -276,16 +283,15 @@ class Checkpoint:
             )
         number = self.save_counter + 1
         path = f"{file_prefix}-{number}"
-        write_checkpoint_file(self, path, number, "save")
-        self.save_counter = number
-        if should_write(self):
-            directory, basename = directory_of(path), os.path.basename(path)
-            index = read_index(directory) or {}
-            names = [
-                n for n in index.get("all", [])
-                if isinstance(n, str) and n != basename and checkpoint_exists(os.path.join(directory, n))
-            ]
+        directory, basename = directory_of(path), os.path.basename(path)
+
+        def record() -> None:
+            index = read_index(directory) or {"all": []}
+            names = [n for n in index["all"] if n != basename and checkpoint_exists(os.path.join(directory, n))]
             write_index(directory, basename, names + [basename])
+
+        write_checkpoint_file(self, path, number, "save", after_write=record)
+        self.save_counter = number
         return path
 
     # -- reading ---------------------------------------------------------------------
@@ -327,6 +333,10 @@ class Checkpoint:
             _, targets = split_tensors({"objects": self.state_dict()["objects"]})
         try:
             payload = read_sharded(path, targets)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"Sharded checkpoint {path!r} could not be read: {exc}") from exc
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             raise CheckpointError(
                 f"Sharded checkpoint {path!r} could not be read: {type(exc).__name__}: {exc}. "
@@ -335,11 +345,21 @@ class Checkpoint:
         return check_payload(path, payload)
 
 
-def write_checkpoint_file(checkpoint: Checkpoint, path: str, save_counter: int, method: str) -> None:
-    """Serialize ``checkpoint`` with ``save_counter`` into ``path`` (the chief writes one
-    file; under a sharded strategy every worker writes its shards into the directory ``path``).
+def write_checkpoint_file(
+    checkpoint: Checkpoint,
+    path: str,
+    save_counter: int,
+    method: str,
+    after_write: Callable[[], None] | None = None,
+) -> None:
+    """Serialize ``checkpoint`` with ``save_counter`` into ``path``; every worker calls it.
 
-    ``method`` names the caller in errors. Counters and the index are left unchanged.
+    The chief writes one file (a worker that asked for another path writes its own copy
+    there; see ``collective``); under a sharded strategy every worker writes its shards into
+    the directory ``path``. ``after_write()`` (the index, deleting old checkpoints) runs
+    wherever the file is written, before any worker returns. ``method`` names the caller in
+    errors. Counters are left unchanged. Raises ``CheckpointError`` on every worker if the
+    chief's write fails.
     """
     _check_not_in_replica(method)
     state = checkpoint.state_dict()  # every worker computes it: metrics may reduce collectively
@@ -350,21 +370,31 @@ def write_checkpoint_file(checkpoint: Checkpoint, path: str, save_counter: int, 
         "objects": state["objects"],
     }
     extended = owning_strategy([checkpoint]).extended
-    try:
-        if extended.checkpoint_is_sharded:
+    hint = ("Any previous checkpoint there is unchanged; check the disk space and that every "
+            "state_dict() holds only tensors and plain Python values.")
+    if extended.checkpoint_is_sharded:
+        try:
             # Every worker writes its own shards; the chief also writes the layout.
             write_sharded(path, payload, extended.should_checkpoint,
-                          barrier=lambda what: extended.all_gather_objects(None, what))
-            return
-        if not should_write(checkpoint):
-            return
-        atomic_write(path, lambda f: torch.save(payload, f))
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(
-            f"Could not write checkpoint {path!r}: {exc}. Any previous checkpoint there is "
-            "unchanged; check the disk space and that every state_dict() holds only "
-            "tensors and plain Python values."
-        ) from exc
+                          barrier=lambda what: extended.all_gather_objects(None, what),
+                          gather=lambda value, what: extended.all_gather_objects(value, what), finish=after_write)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"Could not write checkpoint {path!r}: {exc}. {hint}") from exc
+        return
+
+    def write() -> str:
+        try:
+            remove_stale_temporaries(directory_of(path))
+            digest = save_file(path, payload)
+            if after_write is not None:
+                after_write()
+        except Exception as exc:
+            raise CheckpointError(f"Could not write checkpoint {path!r}: {exc}. {hint}") from exc
+        return digest
+
+    write_collectively(extended, path, write)
 
 
 def _load_object(name: str, obj: Any, state: Any) -> None:

@@ -3,8 +3,11 @@
 Under a strategy whose state is sharded (``extended.checkpoint_is_sharded``, e.g.
 ``FullyShardedStrategy``), nothing gathers the whole model on one process: the tensors go
 through ``torch.distributed.checkpoint`` (DCP), each worker writing its shards, and the chief
-adds ``layout.pt``, the checkpoint's payload with every tensor replaced by its DCP key. The
-directory is written under a temporary name and renamed when complete.
+adds ``layout.pt``, the checkpoint's payload with every tensor replaced by its DCP key, and
+the size and SHA-256 of every file (each worker hashes the shards it wrote; the chief gathers
+them). The directory is written under a temporary name and renamed when complete. Reading
+checks ``layout.pt``'s own checksum, then each file against its recorded one before reading
+it (a worker reading only its shard checks only the files it reads).
 
 A sharded checkpoint holds the same logical payload as a plain file (whole shapes, the same
 keys), so it loads anywhere: into sharded objects (each worker reads only its shard), into
@@ -37,15 +40,25 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torch_distribute.checkpoint.file_io import (
+    DCP_METADATA,
     LAYOUT_FILENAME,
-    atomic_write,
+    CorruptCheckpointError,
+    check_file,
     check_payload,
     directory_of,
+    file_fingerprint,
     is_sharded_checkpoint,
+    remove_stale_temporaries,
+    save_file,
+    temporary_directory_name,
 )
 from torch_distribute.errors import CheckpointError
 
-__all__ = ["convert_to_file", "read_sharded", "split_tensors", "write_sharded"]
+__all__ = ["CHECKSUMS_KEY", "check_sharded", "convert_to_file", "read_sharded", "split_tensors", "write_sharded"]
+
+#: In ``layout.pt``: ``{file name: [size, sha256]}`` of every shard file and ``.metadata``
+#: (each worker hashes the files it wrote; the chief gathers them).
+CHECKSUMS_KEY = "__td_checksums__"
 
 _TENSOR_MARK = "__td_tensor__"
 
@@ -96,25 +109,182 @@ def _join(layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return layout
 
 
-def write_sharded(path: str, payload: Any, is_writer: bool, barrier: Callable[[str], Any]) -> None:
+def write_sharded(
+    path: str,
+    payload: Any,
+    is_writer: bool,
+    barrier: Callable[[str], Any],
+    gather: Callable[[Any, str], list[Any]] | None = None,
+    finish: Callable[[], None] | None = None,
+) -> None:
     """Write ``payload`` as the sharded checkpoint directory ``path``; every worker calls it.
 
     ``is_writer``: this worker writes the layout and renames the directory (the chief).
     ``barrier(what)``: returns once every worker has called it (a collective).
+    ``gather(value, what)``: the values of every worker, in worker order (a collective,
+    e.g. ``strategy.extended.all_gather_objects``); used instead of ``barrier`` when given,
+    so that each worker's shard checksums reach the chief and the chief's errors reach
+    every worker. Without it (one process) the checksums are this process's own.
+    ``finish()``: run by the writer once the directory is complete, before the others
+    return (the ``checkpoint`` index); its errors are raised on every worker.
+
+    Every worker raises ``CheckpointError`` if the chief cannot create, finish or rename
+    the directory, or if the workers asked for different paths.
     """
-    directory = directory_of(path)
-    partial = os.path.join(directory, f".{os.path.basename(path)}.partial")
+    def exchange(value: Any, what: str) -> list[Any]:
+        if gather is not None:
+            return gather(value, what)
+        barrier(what)
+        return [value]
+
+    error = None
+    partial = temporary_directory_name(path)
     if is_writer:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-        os.makedirs(partial)
-    barrier("start of a sharded checkpoint write")
+        try:
+            remove_stale_temporaries(directory_of(path))
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    start = exchange({"path": os.path.abspath(path), "partial": partial if is_writer else None, "error": error},
+                     "start of a sharded checkpoint write")
+    _raise_failures(path, start)
+    paths = {entry["path"] for entry in start}
+    if len(paths) > 1:
+        raise CheckpointError(
+            f"Workers asked to write the sharded checkpoint to different paths ({sorted(paths)}); "
+            "every worker writes its shards into one directory: pass the same path everywhere."
+        )
+    partial = next((entry["partial"] for entry in start if entry["partial"]), partial)
     layout, tensors = split_tensors(payload)
+    writer = _RecordingWriter(partial)
     with _quiet_single_process():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not dist.is_initialized())
+        dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    mine: dict[str, Any] = {"files": {}, "error": None}
+    try:
+        mine["files"] = {name: list(file_fingerprint(os.path.join(partial, name))) for name in writer.written}
+    except OSError as exc:
+        mine["error"] = f"{type(exc).__name__}: {exc}"
+    every = exchange(mine, "checksums of a sharded checkpoint's shards")
+    _raise_failures(path, every)
+    error = None
     if is_writer:
-        atomic_write(os.path.join(partial, LAYOUT_FILENAME), lambda f: torch.save(layout, f))
-        _replace_directory(partial, path)
-    barrier("end of a sharded checkpoint write")
+        try:
+            checksums: dict[str, list[Any]] = {}
+            for entry in every:
+                checksums.update(entry["files"])
+            checksums[DCP_METADATA] = list(file_fingerprint(os.path.join(partial, DCP_METADATA)))
+            layout[CHECKSUMS_KEY] = checksums
+            save_file(os.path.join(partial, LAYOUT_FILENAME), layout)
+            _replace_directory(partial, path)
+            if finish is not None:
+                finish()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    _raise_failures(path, exchange({"error": error}, "end of a sharded checkpoint write"))
+
+
+def _raise_failures(path: str, outcomes: list[dict[str, Any]]) -> None:
+    failed = [(worker, entry["error"]) for worker, entry in enumerate(outcomes) if entry["error"]]
+    if failed:
+        worker, message = failed[0]
+        raise CheckpointError(
+            f"Could not write the sharded checkpoint {path!r}: worker {worker} failed: {message}. "
+            "Any previous checkpoint there is unchanged; check the disk space and permissions."
+        )
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, recording the files this worker wrote (to hash them)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        for result in future.wait():
+            name = result.storage_data.relative_path
+            if name not in self.written:
+                self.written.append(name)
+        return future
+
+
+class _VerifyingReader(dcp.FileSystemReader):
+    """DCP's file reader, checking each file it is about to read against its checksum."""
+
+    def __init__(self, path: str, checksums: dict[str, Any] | None):
+        super().__init__(path)
+        self.directory = path
+        self.checksums = checksums
+        self.verified: set[str] = set()
+        self.failure: CheckpointError | None = None
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        for name in sorted(names - self.verified):
+            try:
+                _verify_member(self.directory, name, self.checksums, full=True)
+            except CheckpointError as exc:
+                self.failure = exc
+                raise
+            self.verified.add(name)
+        return super().read_data(plan, planner)
+
+
+def _verify_member(directory: str, name: str, checksums: dict[str, Any] | None, full: bool) -> None:
+    """Raise ``CorruptCheckpointError`` unless ``directory/name`` has its recorded size (and,
+    ``full``, checksum); checkpoints written before checksums are not checked."""
+    if checksums is None:
+        return
+    path = os.path.join(directory, name)
+    expected = checksums.get(name)
+    if not (isinstance(expected, (list, tuple)) and len(expected) == 2):
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint {directory!r} is damaged: {name!r} has no checksum in its "
+            f"{LAYOUT_FILENAME}. Restore an earlier checkpoint.")
+    size, digest = expected
+    if not os.path.isfile(path):
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint {directory!r} is damaged: {name!r} is missing. Restore an earlier checkpoint.")
+    actual = os.path.getsize(path)
+    if actual != size:
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint file {path!r} is damaged: truncated ({actual} of {size} bytes). "
+            "Restore an earlier checkpoint.")
+    if full and file_fingerprint(path)[1] != digest:
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint file {path!r} is damaged: checksum mismatch: the file is damaged. "
+            "Restore an earlier checkpoint.")
+
+
+def _load_layout(path: str) -> tuple[Any, dict[str, Any] | None]:
+    """(the layout of the sharded checkpoint ``path``, its shard checksums or ``None``)."""
+    layout_path = os.path.join(path, LAYOUT_FILENAME)
+    check_file(layout_path, full=True)
+    layout = torch.load(layout_path, map_location="cpu", weights_only=True)
+    checksums = layout.pop(CHECKSUMS_KEY, None) if isinstance(layout, dict) else None
+    return layout, checksums
+
+
+def check_sharded(path: str, full: bool = False) -> None:
+    """Raise ``CorruptCheckpointError`` if the sharded checkpoint ``path`` is damaged.
+
+    Checks ``layout.pt`` fully (it is small) and that every recorded file has its size;
+    ``full=True`` also hashes every file.
+    """
+    try:
+        _, checksums = _load_layout(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint {path!r} is damaged: its {LAYOUT_FILENAME} could not be read "
+            f"({type(exc).__name__}: {exc}). Restore an earlier checkpoint.") from exc
+    if checksums is None:
+        return
+    for name in [DCP_METADATA, *sorted(n for n in checksums if n != DCP_METADATA)]:
+        _verify_member(path, name, checksums, full=full)
 
 
 def _replace_directory(source: str, target: str) -> None:
@@ -147,8 +317,9 @@ def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
     where one is a DTensor of the saved shape, only this worker's shard is read into a
     DTensor like it. Every other tensor is read whole, on the CPU.
     """
-    layout = torch.load(os.path.join(path, LAYOUT_FILENAME), map_location="cpu", weights_only=True)
-    reader = dcp.FileSystemReader(path)
+    layout, checksums = _load_layout(path)
+    _verify_member(path, DCP_METADATA, checksums, full=True)  # before unpickling it
+    reader = _VerifyingReader(path, checksums)
     metadata = reader.read_metadata()
     flat: dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -163,7 +334,12 @@ def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
     with _quiet_single_process():
         # Each process reads what it needs on its own: no collective, so no worker waits
         # for another (or hangs when only some restore).
-        dcp.load(flat, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(flat, storage_reader=reader, no_dist=True)
+        except BaseException:
+            if reader.failure is not None:
+                raise reader.failure from None
+            raise
     return _join(layout, flat)
 
 
@@ -187,4 +363,4 @@ def convert_to_file(source: str, target: str) -> None:
             "FullyShardedStrategy."
         )
     payload = check_payload(source, read_sharded(source, {}))
-    atomic_write(target, lambda f: torch.save(payload, f))
+    save_file(target, payload)

@@ -427,8 +427,12 @@ class Model(nn.Module):
     def save_weights(self, filepath: str, include_optimizer: bool = False) -> str:
         """Write the weights (and the optimizer state) to ``filepath`` as a ``td.Checkpoint`` file.
 
-        Call it on every worker; only the chief writes (under ``FullyShardedStrategy`` each
-        worker writes its shards into the directory ``filepath``).
+        Call it on every worker: the chief writes, and every worker returns once the file is
+        complete, so ``load_weights(filepath)`` right after reads it on every worker. A
+        non-chief that gives another path writes its own copy there; under
+        ``FullyShardedStrategy`` each worker writes its shards into the directory
+        ``filepath``. Returns ``filepath``. Raises ``CheckpointError`` on every worker if the
+        chief's write fails.
         """
         objects: dict[str, Any] = {"model": self.weights_module}
         if include_optimizer and self.optimizer is not None:
@@ -436,7 +440,11 @@ class Model(nn.Module):
         return Checkpoint(**objects).write(filepath)
 
     def load_weights(self, filepath: str) -> None:
-        """Load weights written by ``save_weights`` or ``ModelCheckpoint`` (any strategy wrote them)."""
+        """Load weights written by ``save_weights`` or ``ModelCheckpoint`` (any strategy wrote them).
+
+        The file's checksum is checked first: a damaged or truncated file raises
+        ``CheckpointError`` naming it.
+        """
         objects: dict[str, Any] = {"model": self.weights_module}
         Checkpoint(**objects).read(filepath)
 

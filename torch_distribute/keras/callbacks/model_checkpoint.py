@@ -17,9 +17,12 @@ class ModelCheckpoint(Callback):
     (``"ckpt-{epoch:02d}-{val_loss:.2f}.pt"``). ``save_best_only``: save only when
     ``monitor`` improves (``mode``: ``"auto"``, ``"min"``, ``"max"``).
     ``save_weights_only=True`` leaves the optimizer out. ``save_freq``: ``"epoch"`` or a
-    number of batches. Every worker calls it (the state may need collectives); only the chief
-    writes. The file loads with ``model.load_weights(path)`` or, with no Keras wrapper,
-    ``td.Checkpoint(model=module).read(path)``.
+    number of batches. Every worker calls it, and the save is collective
+    (``model.save_weights``): every worker returns once the chief's file is complete, so a
+    ``model.load_weights(path)`` on every worker right after ``fit`` reads the same weights.
+    With ``save_best_only`` the workers take the chief's value of ``monitor``, so they agree
+    on whether to save. The file loads with ``model.load_weights(path)`` or, with no Keras
+    wrapper, ``td.Checkpoint(model=module).read(path)``.
 
     >>> import torch_distribute as td
     >>> cb = td.keras.callbacks.ModelCheckpoint("ckpt/best.pt", monitor="val_loss", save_best_only=True)
@@ -64,7 +67,7 @@ class ModelCheckpoint(Callback):
         path = self._format(epoch, batch, logs or {})
         if self.save_best_only:
             previous = self._monitor.best
-            current = self._monitor.value(logs)
+            current = self._chiefs(self._monitor.value(logs))
             if current is None:
                 return
             if not self._monitor.improved(current):
@@ -76,6 +79,17 @@ class ModelCheckpoint(Callback):
             self._log(f"Epoch {epoch + 1}: saving model to {path}")
         self.model.save_weights(path, include_optimizer=not self.save_weights_only)
         self.saved.append(path)
+
+    def _chiefs(self, value: float | None) -> float | None:
+        """The chief's ``value`` on every worker (one ``all_gather_objects`` under several
+        workers): the decision to save is a collective write, so every worker must make it."""
+        strategy = getattr(self.model, "distribute_strategy", None)
+        extended = getattr(strategy, "extended", None)
+        if extended is None or extended.num_workers_in_sync <= 1:
+            return value
+        gathered = extended.all_gather_objects((bool(extended.should_checkpoint), value),
+                                               what="ModelCheckpoint's monitored value")
+        return next((v for writes, v in gathered if writes), gathered[0][1])
 
     def _format(self, epoch: int, batch: int | None, logs: Logs) -> str:
         try:
