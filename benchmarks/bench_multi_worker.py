@@ -50,7 +50,6 @@ Run: ``python benchmarks/bench_multi_worker.py [--quick]`` (``--quick``: a smoke
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -68,6 +67,7 @@ from common import (  # noqa: E402
     ddp_trainer,
     emit,
     free_port,
+    init_gloo,
     load_average,
     machine_line,
     max_abs_diff,
@@ -125,6 +125,8 @@ class _Worker(Variant):
 
 
 class MultiWorker(_Worker):
+    verify_collectives = True  # CommunicationOptions(verify_collectives=...)
+
     def setup(self) -> None:
         import torch_distribute as td
 
@@ -134,7 +136,8 @@ class MultiWorker(_Worker):
             "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
         })
-        self.strategy = td.MultiWorkerMirroredStrategy()
+        self.strategy = td.MultiWorkerMirroredStrategy(
+            communication_options=td.CommunicationOptions(verify_collectives=self.verify_collectives))
         assert self.strategy.num_replicas_in_sync == self.world_size, self.strategy.num_replicas_in_sync
         super().setup()
 
@@ -171,13 +174,7 @@ class MultiWorker(_Worker):
 
 class DDP(_Worker):
     def setup(self) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=self.rank,
-            world_size=self.world_size, timeout=datetime.timedelta(seconds=120),
-        )
-        self.dist = dist
+        self.dist = init_gloo(self.port, self.rank, self.world_size)
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:

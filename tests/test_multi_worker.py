@@ -17,7 +17,6 @@ process it started (process groups, and their descendants) whatever happens.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -33,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 import torch_distribute as td
-from torch_distribute.cluster.launcher import TORCHRUN_VARS, free_ports, launch
+from torch_distribute.checkpoint.file_io import load_payload
+from torch_distribute.cluster.launcher import free_ports, launch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
 
@@ -48,74 +49,12 @@ STEPS_PER_EPOCH = len(H.global_batch_sizes())  # 7: six of 8 rows, one of 1 row
 JOB_TIMEOUT_S = 30  # CommunicationOptions(timeout_seconds=...) in the training jobs
 
 
-# -- process handling ----------------------------------------------------------------------
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL ``proc`` (if it still runs), its process group and every descendant; reap it.
-
-    Works on stopped (SIGSTOP) processes too. A process that already exited is left alone:
-    our worker scripts have no children, and the launcher stops its own before exiting.
-    """
-    if proc.poll() is None:
-        for pid in [proc.pid, *H.descendants(proc.pid)]:
-            for kill in (os.killpg, os.kill):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-class _Processes:
-    """Starts worker processes in their own sessions, output to files; kills them all at exit."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list[Path] = []
-
-    def spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        log = self.log_dir / f"{len(self.procs)}-{name}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-u", *argv], env=env, cwd=REPO,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.procs.append(proc)
-        self.logs.append(log)
-        return proc
-
-    def output(self, proc: subprocess.Popen) -> str:
-        return self.logs[self.procs.index(proc)].read_text()
-
-    def wait(self, proc: subprocess.Popen, limit: float) -> int | None:
-        """Exit status, or None if ``proc`` still runs after ``limit`` seconds."""
-        try:
-            return proc.wait(timeout=max(0.0, limit))
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            _kill_tree(proc)
-
-
-@contextlib.contextmanager
-def _processes(log_dir: Path):
-    procs = _Processes(log_dir)
-    try:
-        yield procs
-    finally:
-        procs.kill_all()
+# -- process handling: tests/proc_helpers.py -------------------------------------------------
 
 
 @pytest.fixture
 def processes(tmp_path):
-    with _processes(tmp_path) as procs:
+    with P.processes(tmp_path) as procs:
         yield procs
 
 
@@ -167,8 +106,8 @@ def job_3x1(job_2x2, tmp_path_factory):
     tasks = [("chief", 0), ("worker", 0), ("worker", 1)]
     argv = [JOB, "--replicas", "1", "--epochs", str(EPOCHS), "--checks",
             "--timeout", str(JOB_TIMEOUT_S), "--restore", ckpt]
-    with _processes(tmp_path_factory.mktemp("mw_3x1")) as procs:
-        started = [procs.spawn(argv, _clean_env(TF_CONFIG=_tf_config(cluster, t, i)), f"{t}{i}")
+    with P.processes(tmp_path_factory.mktemp("mw_3x1")) as procs:
+        started = [procs.spawn(argv, P.clean_env(TF_CONFIG=_tf_config(cluster, t, i)), f"{t}{i}")
                    for t, i in tasks]
         deadline = time.monotonic() + 100
         codes = [procs.wait(p, deadline - time.monotonic()) for p in started]
@@ -412,24 +351,28 @@ def test_ragged_ends_with_auto_shard_off(job):
 
 
 # -- 4. checkpoints ----------------------------------------------------------------------------
-def _check_only_chief_wrote(job: dict, where: str) -> None:
+def _check_each_worker_wrote_its_copy(job: dict, where: str) -> None:
+    """Each worker asked for its own directory (the tutorial's pattern): each gets a copy there,
+    as in TensorFlow, the path returned exists, and the copies hold the same values."""
     _no_errors(job, "save")
     save_dir = job["save_dir"] / where
+    name = "ckpt-2" if where == "inside" else "ckpt-1"
     for rank, result in job["results"].items():
-        assert result["save"][where] == str(save_dir / f"w{rank}" / "ckpt-2" if where == "inside"
-                                            else save_dir / f"w{rank}" / "ckpt-1")
-    assert sorted(os.listdir(save_dir / "w0")) == ["checkpoint", "ckpt-2" if where == "inside" else "ckpt-1"]
-    assert not (save_dir / "w1").exists() or os.listdir(save_dir / "w1") == [], "worker 1 wrote files"
+        assert result["save"][where] == str(save_dir / f"w{rank}" / name)
+        assert sorted(os.listdir(save_dir / f"w{rank}")) == ["checkpoint", name]
+    copies = [load_payload(str(save_dir / f"w{rank}" / name))["objects"]["model"]
+              for rank in job["results"]]
+    assert all(torch.equal(copies[0][key], copy[key]) for copy in copies[1:] for key in copies[0])
 
 
 @pytest.mark.timeout(200)
-def test_only_the_chief_writes_a_checkpoint_saved_inside_scope(job_2x2):
-    _check_only_chief_wrote(job_2x2, "inside")
+def test_each_worker_writes_its_copy_of_a_checkpoint_saved_inside_scope(job_2x2):
+    _check_each_worker_wrote_its_copy(job_2x2, "inside")
 
 
 @pytest.mark.timeout(200)
-def test_only_the_chief_writes_a_checkpoint_saved_in_the_training_loop(job_2x2):
-    _check_only_chief_wrote(job_2x2, "outside")
+def test_each_worker_writes_its_copy_of_a_checkpoint_saved_in_the_training_loop(job_2x2):
+    _check_each_worker_wrote_its_copy(job_2x2, "outside")
 
 
 @pytest.mark.timeout(200)
@@ -485,7 +428,7 @@ def _start_pair(processes, *extra: str, skip: tuple[int, ...] = (),
         if rank in skip:
             procs.append(None)
             continue
-        env = _clean_env(TF_CONFIG=_tf_config(cluster, "worker", rank), MW_RANK=str(rank))
+        env = P.clean_env(TF_CONFIG=_tf_config(cluster, "worker", rank), MW_RANK=str(rank))
         procs.append(processes.spawn([FAIL, "--timeout", str(timeout), *extra], env, f"w{rank}"))
     return procs
 
@@ -499,16 +442,20 @@ def _report(text: str, code: int | None) -> dict:
 def failures(tmp_path_factory):
     """All failure scenarios at once (they mostly wait); every process is killed at the end.
 
-    exit: worker 1 raises SystemExit(3) at step 3; stop: worker 1 SIGSTOPs itself at step 3;
+    exit: worker 1 dies of an uncaught exception at step 3; stop: worker 1 SIGSTOPs itself at step 3;
+    stop_chief / exit_chief: the same of worker 0, which hosts the rendezvous store;
     no_worker: worker 1 never starts; no_chief: worker 0 (the chief) never starts.
     """
-    with _processes(tmp_path_factory.mktemp("mw_failures")) as procs:
+    with P.processes(tmp_path_factory.mktemp("mw_failures")) as procs:
         exit_pair = _start_pair(procs, "--fail-rank", "1", "--mode", "exit", "--at", "3")
         stop_pair = _start_pair(procs, "--fail-rank", "1", "--mode", "stop", "--at", "3")
+        stop_chief = _start_pair(procs, "--fail-rank", "0", "--mode", "stop", "--at", "3")
+        exit_chief = _start_pair(procs, "--fail-rank", "0", "--mode", "exit", "--at", "3")
         no_worker = _start_pair(procs, skip=(1,), timeout=START_TIMEOUT_S)[0]
         no_chief = _start_pair(procs, skip=(0,), timeout=START_TIMEOUT_S)[1]
         deadline = time.monotonic() + 100
-        waited = {"exit": exit_pair[0], "stop": stop_pair[0], "no_worker": no_worker, "no_chief": no_chief}
+        waited = {"exit": exit_pair[0], "stop": stop_pair[0], "no_worker": no_worker, "no_chief": no_chief,
+                  "stop_chief": stop_chief[1], "exit_chief": exit_chief[1]}
         out = {}
         for name, proc in waited.items():
             code = procs.wait(proc, deadline - time.monotonic())
@@ -529,7 +476,7 @@ def _check_unavailable(report: dict, phase: str) -> None:
 def test_worker_that_exits_mid_training(failures):
     report = failures["exit"]
     _check_unavailable(report, "training")
-    assert failures["exit_failing_code"] == 3
+    assert failures["exit_failing_code"] == 1
     assert report["step"] == 3
     assert NAMES_WORKER_1.search(report["message"]), report["message"]
     assert "exited" in report["message"]
@@ -546,6 +493,18 @@ def test_worker_that_stops_answering(failures):
     assert NAMES_WORKER_1.search(report["message"]), report["message"]
     assert "stopped answering" in report["message"]
     assert FAIL_TIMEOUT_S - 1 <= report["blocked_s"] <= FAIL_TIMEOUT_S + 15
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name, how", [("stop_chief", "unreachable"), ("exit_chief", "exited")])
+def test_chief_that_stops_or_dies(failures, name, how):
+    """The chief hosts the store every probe asks: a stopped one accepts connections and never
+    answers, yet it is named as quickly as any other worker."""
+    report = failures[name]
+    _check_unavailable(report, "training")
+    assert report["step"] == 3
+    assert re.search(r"worker(\(s\))?\s+0\b", report["message"]) and how in report["message"], report["message"]
+    assert report["blocked_s"] <= FAIL_TIMEOUT_S + 6
 
 
 @pytest.mark.timeout(150)
@@ -573,7 +532,7 @@ def test_tutorial_example_under_launch(processes, tmp_path):
         ["-m", "torch_distribute.launch", "--nproc", "2", "--timeout", "110", "--grace-period", "2",
          "examples/custom_training_loop.py", "--strategy", "multiworker", "--epochs", "1",
          "--no-progress", "--checkpoint-dir", str(ckpt_dir)],
-        _clean_env(), "launch")
+        P.clean_env(), "launch")
     code = processes.wait(proc, 130)
     text = processes.output(proc)
     assert code == 0, text[-4000:]

@@ -2,8 +2,8 @@
 
     python mw_fail.py --timeout S [--fail-rank R --mode exit|stop --at K]
 
-Trains a tiny model step after step. At step ``K`` worker ``R`` either raises
-``SystemExit(3)`` (``exit``) or stops itself with SIGSTOP (``stop``: alive but silent). The
+Trains a tiny model step after step. At step ``K`` worker ``R`` either dies of an uncaught
+exception (``exit``: a crash, exit status 1) or stops itself with SIGSTOP (``stop``: alive but silent). The
 others must raise ``WorkerUnavailableError``; they report its message and how long they were
 blocked. A worker alone (the others never started) reports the start-up error.
 """
@@ -29,7 +29,13 @@ parser.add_argument("--fail-rank", type=int, default=None)
 parser.add_argument("--mode", choices=["exit", "stop"], default=None)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--natural-exit", action="store_true",
+                    help="after reporting, leave through the interpreter's normal exit (atexit, teardown)")
 args = parser.parse_args()
+
+
+class InjectedFailure(Exception):
+    """The crash of the failing worker: left uncaught, so the process exits as a crash does."""
 
 torch.set_num_threads(1)
 result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "phase": "start-up", "step": None}
@@ -55,7 +61,7 @@ try:
         if k == args.at and rank == args.fail_rank:
             print(f"worker {rank} failing at step {k}", flush=True)
             if args.mode == "exit":
-                raise SystemExit(3)
+                raise InjectedFailure(f"worker {rank} crashes at step {k}")
             os.kill(os.getpid(), signal.SIGSTOP)
         started = time.monotonic()
         strategy.run(step, args=(torch.randn(2, 4),))
@@ -64,7 +70,7 @@ try:
 except td.WorkerUnavailableError as error:
     result.update(error="WorkerUnavailableError", message=str(error))
     code = 17
-except SystemExit:
+except (SystemExit, InjectedFailure):
     raise
 except BaseException as error:  # noqa: BLE001 - any other outcome is reported as wrong
     result.update(error=type(error).__name__, message=str(error))
@@ -73,4 +79,6 @@ result["blocked_s"] = time.monotonic() - started
 H.emit(result)
 sys.stdout.flush()
 sys.stderr.flush()
+if args.natural_exit:
+    sys.exit(code)
 os._exit(code)  # no interpreter teardown against a dead or silent peer

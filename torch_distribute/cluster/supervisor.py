@@ -241,6 +241,9 @@ class ProcessSupervisor:
         signals_seen = len(self.received)
         for process in self.processes:
             process.signal_group(signal.SIGTERM)
+            if hasattr(signal, "SIGCONT"):
+                # A stopped (SIGSTOP) task handles SIGTERM only once continued, as kill(1) does.
+                process.signal_group(signal.SIGCONT)
         end = time.monotonic() + self.grace_period
         while any(p.group_alive() for p in self.processes):
             if time.monotonic() >= end or len(self.received) > signals_seen:

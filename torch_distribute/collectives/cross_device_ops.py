@@ -15,6 +15,7 @@ tensor(3.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from torch_distribute.collectives.packing import pack, packs_by_dtype, unpack
 from torch_distribute.devices import LogicalDevice, canonicalize, share_a_gpu
 from torch_distribute.errors import InvalidArgumentError, InvalidDeviceError
 from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.values import check_same_layout
 
 
 class CrossDeviceOps:
@@ -200,6 +202,10 @@ def select_cross_device_ops(devices: Sequence[LogicalDevice]) -> CrossDeviceOps:
 
 
 def _check_same_shapes(per_replica_tensors: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Every replica gives as many tensors, each of the same shape and dtype as replica 0's
+    (compared before anything is packed or moved: no data is read)."""
+    if not per_replica_tensors:
+        raise InvalidArgumentError("Nothing to reduce: no replica gave any tensors.")
     first = per_replica_tensors[0]
     for r, tensors in enumerate(per_replica_tensors[1:], start=1):
         if len(tensors) != len(first):
@@ -207,9 +213,20 @@ def _check_same_shapes(per_replica_tensors: Sequence[Sequence[torch.Tensor]]) ->
                 f"Replica {r} gave {len(tensors)} tensors to reduce but replica 0 gave {len(first)}."
             )
         for i, (a, b) in enumerate(zip(first, tensors, strict=True)):
-            if a.shape != b.shape:
-                raise InvalidArgumentError(
-                    f"Cannot reduce tensor {i}: replica 0 has shape {tuple(a.shape)} but replica "
-                    f"{r} has shape {tuple(b.shape)}. Reduce values of the same shape, or use "
-                    "reduce(..., axis=0) / gather for per-example values."
-                )
+            try:
+                alike = a.shape == b.shape and a.dtype == b.dtype
+            except AttributeError:  # not a tensor
+                alike = False
+            if not alike:
+                _explain_mismatch(i, [replica[i] for replica in per_replica_tensors])
+
+
+def _explain_mismatch(index: int, column: list[Any]) -> None:
+    """Raise the error for tensor ``index``, whose replicas' values do not match."""
+    for r, tensor in enumerate(column):
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(
+                f"Cannot reduce value {index}: replica {r} gave a {type(tensor).__name__} "
+                f"({tensor!r:.60}), not a tensor."
+            )
+    check_same_layout(column, f"Cannot reduce tensor {index}")

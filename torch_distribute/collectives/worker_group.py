@@ -6,7 +6,11 @@ Python objects.
 
 Rendezvous is a c10d ``TCPStore`` hosted by the chief. Every collective has a deadline; each
 worker also writes a heartbeat into the store, so when a collective fails or times out the
-error names the workers that stopped answering instead of hanging or saying "timeout".
+error names the workers that stopped answering instead of hanging or saying "timeout". Every
+access to the store after start-up has a deadline too (a stopped chief accepts connections
+but never answers), and every collective is first compared across workers
+(``fingerprint.py``), so a program that calls different collectives on different workers
+gets ``ReplicaMismatchError`` rather than mixed numbers.
 """
 
 from __future__ import annotations
@@ -16,26 +20,46 @@ import datetime
 import gc
 import json
 import os
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from torch_distribute.collectives import fingerprint, network
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
 from torch_distribute.collectives.packing import apply_packed_
-from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
+from torch_distribute.errors import (
+    InvalidArgumentError,
+    ReplicaMismatchError,
+    WorkerUnavailableError,
+)
 
 _HEARTBEAT_PREFIX = "td/heartbeat/"
 _LEFT_PREFIX = "td/left/"
 _JOINED_PREFIX = "td/joined/"
 _GPUS_PREFIX = "td/gpus/"
+_FINISHED = "finished"  # the value under _LEFT_PREFIX of a worker whose program ended normally
+
+
+class MissingWorkers(NamedTuple):
+    """Who is gone: ranks that exited (``finished`` those whose program ended without an
+    error) and ranks whose heartbeat stopped."""
+
+    exited: list[int]
+    silent: list[int]
+    finished: list[int]
+
+    @property
+    def anyone(self) -> bool:
+        return bool(self.exited or self.silent)
 
 
 class WorkerGroup:
@@ -58,6 +82,13 @@ class WorkerGroup:
         self.options = options
         self._timeout = datetime.timedelta(seconds=options.timeout)
         self._closed = False
+        self._verify = options.verify_collectives
+        self._failed = False  # a collective failed here: exit without waiting on the others
+        # Threads that talk to the store with a deadline; joined (bounded) at exit, because one
+        # that returns during interpreter teardown aborts the process (pybind11 + pthread_exit).
+        self._store_threads: list[threading.Thread] = []
+        self._collectives = 0  # collectives on the default group, fingerprinted or not
+        self.run_count = 0  # strategy.run calls (begin_run): part of the gradient buckets' signature
         _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
         self.store = self._rendezvous()
         backend = _backend(options.implementation, bool(gpus), self._gpus_shared_with_others(gpus))
@@ -67,10 +98,14 @@ class WorkerGroup:
                 "torch.distributed is already initialized in this process; create the "
                 "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
             )
+        _choose_gloo_interface(backend, host)
         dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout)
         # Gradients travel on their own group so they never interleave with other collectives.
         self.gradient_group = dist.new_group(backend=backend, timeout=self._timeout)
         self._heartbeat_interval = max(0.5, min(5.0, options.timeout / 6))
+        # How long the store may take to answer a probe before the chief counts as unreachable
+        # (its server is a C++ thread: it answers at once unless the chief is stopped or cut off).
+        self._store_deadline = min(5.0, self._heartbeat_interval)
         self._heartbeat_stop = threading.Event()
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
@@ -129,7 +164,7 @@ class WorkerGroup:
     def _beat(self) -> None:
         try:
             client = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 4))
+                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 2 + 1))
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
         self._heartbeat_client = client
@@ -143,10 +178,32 @@ class WorkerGroup:
     def _stop_heartbeat(self) -> None:
         self._heartbeat_stop.set()
         if self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=4 * self._heartbeat_interval + 1.0)
+            self._heartbeat.join(timeout=2 * self._heartbeat_interval + 2.0)
+
+    def _in_store_thread(self, call: Callable[[], Any]) -> threading.Thread:
+        """Run ``call`` (store traffic) in a daemon thread of its own, remembered for exit."""
+        self._store_threads = [t for t in self._store_threads if t.is_alive()]
+        thread = threading.Thread(target=call, name="td-store", daemon=True)
+        thread.start()
+        self._store_threads.append(thread)
+        return thread
+
+    def _join_store_threads(self) -> None:
+        deadline = time.monotonic() + 2 * self._store_deadline + 1.0
+        for thread in self._store_threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _store_reachable(self) -> bool:
+        """Whether the chief's store accepts a connection at all (a dead chief refuses it)."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=self._store_deadline).close()
+            return True
+        except OSError:
+            return False
 
     def _at_exit(self) -> None:
-        """At interpreter exit (also after an uncaught exception), tell the others we left.
+        """At interpreter exit (also after an uncaught exception), tell the others we left,
+        and whether the program finished or died of an exception.
 
         After a clean run, then close: the heartbeat thread joined, the process group
         destroyed and the stores released before the interpreter tears down. Left to
@@ -159,65 +216,148 @@ class WorkerGroup:
         """
         if self._closed:
             return
+        # sys.last_value is set when the program died of an exception.
+        failed = self._failed or getattr(sys, "last_value", None) is not None
         self._stop_heartbeat()
         client = self._heartbeat_client
         if client is not None:
-            try:
-                client.set(f"{_LEFT_PREFIX}{self.rank}", "exited")
-            except Exception:  # noqa: BLE001 - the store may be gone already
-                pass
-        if getattr(sys, "last_value", None) is None:  # set when the program died of an exception
+            # A stopped chief never answers: the announcement must not hold this exit.
+            how = "failed" if failed else _FINISHED
+            self._in_store_thread(lambda: _ignore_errors(client.set, f"{_LEFT_PREFIX}{self.rank}", how))
+        self._join_store_threads()
+        if not failed:
             self.close()
 
-    def missing_workers(self) -> tuple[list[int], list[int]] | None:
-        """(ranks that exited, ranks whose heartbeat stopped); None if the store is gone.
+    def missing_workers(self) -> MissingWorkers | None:
+        """Who exited and whose heartbeat stopped; None if the store (the chief) does not answer.
 
         A worker killed a moment ago still has a fresh heartbeat, so this waits up to three
-        heartbeat intervals for one to go stale before concluding that nobody is missing.
+        heartbeat intervals for one to go stale before concluding that nobody is missing. The
+        store must answer within ``_store_deadline`` seconds: a stopped (SIGSTOP) or cut-off
+        chief accepts the connection and never replies, and a dead one refuses it.
         """
-        try:
-            probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=5))
-            deadline = time.time() + 3 * self._heartbeat_interval
-            while True:
-                exited = [r for r in range(self.world_size) if probe.check([f"{_LEFT_PREFIX}{r}"])]
-                now = time.time()
-                silent = []
-                for rank in range(self.world_size):
-                    key = f"{_HEARTBEAT_PREFIX}{rank}"
-                    if rank not in exited and (
-                        not probe.check([key]) or now - float(probe.get(key)) > 2 * self._heartbeat_interval
-                    ):
-                        silent.append(rank)
-                if exited or silent or time.time() > deadline:
-                    return exited, silent
-                time.sleep(self._heartbeat_interval / 2)
-        except Exception:  # noqa: BLE001
+        if not self._store_reachable():
             return None
+        answered = threading.Event()
+        answer: list[MissingWorkers] = []
+
+        def probe_store() -> None:
+            try:
+                probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=self._store_deadline))
+                deadline = time.time() + 3 * self._heartbeat_interval
+                while True:
+                    left = {r: probe.get(f"{_LEFT_PREFIX}{r}").decode()
+                            for r in range(self.world_size) if probe.check([f"{_LEFT_PREFIX}{r}"])}
+                    answered.set()
+                    now = time.time()
+                    silent = []
+                    for rank in range(self.world_size):
+                        key = f"{_HEARTBEAT_PREFIX}{rank}"
+                        if rank not in left and (
+                            not probe.check([key]) or now - float(probe.get(key)) > 2 * self._heartbeat_interval
+                        ):
+                            silent.append(rank)
+                    if left or silent or time.time() > deadline:
+                        finished = [r for r, how in left.items() if how == _FINISHED]
+                        answer.append(MissingWorkers(sorted(left), silent, finished))
+                        return
+                    time.sleep(self._heartbeat_interval / 2)
+            except Exception:  # noqa: BLE001 - no answer: the chief is unreachable
+                return
+
+        thread = self._in_store_thread(probe_store)
+        if not answered.wait(self._store_deadline):
+            return None
+        thread.join(3 * self._heartbeat_interval + self._store_deadline)
+        return answer[0] if answer else None
 
     def describe_failure(
         self, what: str, error: BaseException | None, missing: Any = "probe"
-    ) -> WorkerUnavailableError:
+    ) -> WorkerUnavailableError | ReplicaMismatchError:
         """The error naming who is missing; ``missing``: a ``missing_workers()`` answer the
-        caller already has (probing a dead chief's store takes seconds)."""
+        caller already has (probing a dead chief's store takes seconds).
+
+        Workers that finished their program while this one still waits in a collective are
+        not a fault but a program whose workers ran different collectives:
+        ``ReplicaMismatchError``, which says so, rather than advice to restart.
+        """
+        self._failed = True
         if missing == "probe":
             missing = self.missing_workers()
+        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+        if missing is not None and missing.finished and set(missing.finished) == set(missing.exited) \
+                and not missing.silent:
+            return ReplicaMismatchError(
+                f"{what} on worker {self.rank} of {self.world_size} (at {fingerprint.call_site()}) "
+                f"found no partner: worker(s) {', '.join(map(str, missing.finished))} finished their "
+                "program (the end of the script or sys.exit, not an error) without calling it. The "
+                "workers ran different collectives (a reduce, a save or an optimizer step on some "
+                "workers only, or more steps of data on one worker); restarting will not help. Run "
+                "the same collectives on every worker." + detail
+            )
         if missing is None:
             who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
         else:
-            exited, silent = missing
             parts = []
-            if exited:
-                parts.append("worker(s) " + ", ".join(map(str, exited)) + " exited")
-            if silent:
-                parts.append("worker(s) " + ", ".join(map(str, silent)) + " stopped answering")
-            who = " and ".join(parts) or "a worker left the collective (every worker still has a heartbeat)"
-        detail = f" ({type(error).__name__}: {error})" if error is not None else ""
+            if missing.exited:
+                parts.append("worker(s) " + ", ".join(map(str, missing.exited)) + " exited")
+            if missing.silent:
+                parts.append("worker(s) " + ", ".join(map(str, missing.silent)) + " stopped answering")
+            if not parts:
+                return WorkerUnavailableError(
+                    f"{what} failed on worker {self.rank} of {self.world_size}{detail}, yet every worker "
+                    "is alive and answering. Either another worker is busy for longer than "
+                    f"{self.options.timeout:.0f} s (raise CommunicationOptions(timeout_seconds=...)), "
+                    "or the workers wait in different collectives, a bug in the program (run them with "
+                    "CommunicationOptions(verify_collectives=True), the default, to be told which)."
+                )
+            who = " and ".join(parts)
         return WorkerUnavailableError(
             f"{what} failed on worker {self.rank} of {self.world_size}: {who}{detail}. "
             f"Collectives wait at most {self.options.timeout:.0f} s "
             "(CommunicationOptions(timeout_seconds=...)). Restart the job; training resumes from "
             "the last checkpoint (td.BackupAndRestore)."
+        )
+
+    # -- agreement ----------------------------------------------------------------------------
+    def begin_run(self) -> None:
+        """Count one ``strategy.run``: gradient buckets carry it in their signature."""
+        self.run_count += 1
+
+    def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
+               shape: Sequence[int] | None = None) -> None:
+        """Check that every worker is about to make the same collective (when verifying).
+
+        ``kind`` and ``what`` say what it is, ``tensor`` (with ``shape`` instead of its own
+        where a dimension may differ) what it carries; a difference raises
+        ``ReplicaMismatchError`` on every worker.
+        """
+        self._collectives += 1
+        if not self._verify:
+            return
+        dtype = tensor.dtype if tensor is not None else None
+        compared = tuple(shape if shape is not None else tensor.shape) if tensor is not None else None
+        mine = fingerprint.encode(kind, what, dtype, compared)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(what, lambda: dist.all_gather(everyone, mine, async_op=True))
+        if not all(torch.equal(theirs, mine) for theirs in everyone):
+            self.raise_mismatch(fingerprint.describe(what, dtype, tensor.shape if tensor is not None else None))
+
+    def raise_mismatch(self, description: str) -> NoReturn:
+        """Every worker found a mismatch in the same collective: exchange what each called and
+        raise ``ReplicaMismatchError`` naming them (on every worker)."""
+        self._failed = True
+        mine = f"{description} at {fingerprint.call_site()}"
+        calls: list[Any] = [None] * self.world_size
+        self._wait("the exchange of mismatched collectives", lambda: dist.all_gather_object(calls, mine))
+        listing = "; ".join(f"worker {rank}: {call}" for rank, call in enumerate(calls))
+        raise ReplicaMismatchError(
+            f"The workers called different collectives at the same point (collective "
+            f"#{self._collectives} of worker {self.rank}): {listing}. Every worker must make the same "
+            "reductions, gathers, saves and optimizer steps, in the same order and with tensors of "
+            "the same dtype and shape (look for one inside an `if` on the worker index, or for "
+            "workers with different amounts of data)."
         )
 
     # -- collectives ------------------------------------------------------------------------
@@ -237,6 +377,7 @@ class WorkerGroup:
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
         """In-place SUM (or ``op``) over workers of a tensor on a backend-compatible device."""
+        self.agree(f"all_reduce {op}", what, tensor)
         target = self._comm_tensor(tensor)
         self._wait(what, lambda: dist.all_reduce(target, op=op, async_op=True))
         if target is not tensor:
@@ -244,6 +385,7 @@ class WorkerGroup:
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0, what: str = "broadcast") -> torch.Tensor:
+        self.agree(f"broadcast from {src}", what, tensor)
         target = self._comm_tensor(tensor)
         self._wait(what, lambda: dist.broadcast(target, src=src, async_op=True))
         if target is not tensor:
@@ -252,12 +394,15 @@ class WorkerGroup:
 
     def all_gather_objects(self, value: Any, what: str = "all_gather") -> list[Any]:
         """Small Python values from every worker, in rank order (start-up checks only)."""
+        self.agree("all_gather_objects", what)
         out: list[Any] = [None] * self.world_size
         self._wait(what, lambda: dist.all_gather_object(out, value))
         return out
 
     def all_gather_along(self, tensor: torch.Tensor, axis: int, what: str = "gather") -> torch.Tensor:
         """Concatenate ``tensor`` from every worker along ``axis`` (sizes may differ)."""
+        off_axis = [-1 if d == axis else n for d, n in enumerate(tensor.shape)]
+        self.agree(f"all_gather along {axis}", what, tensor, shape=off_axis)
         sizes = torch.tensor([tensor.shape[axis]], dtype=torch.int64)
         all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
         self._wait(what, lambda: dist.all_gather(all_sizes, sizes, async_op=True))
@@ -304,6 +449,26 @@ class WorkerGroup:
         self._heartbeat_client = None
         self.store = None
         gc.collect()
+
+
+def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone
+        pass
+
+
+def _choose_gloo_interface(backend: str, chief_host: str) -> None:
+    """Point Gloo at the interface that reaches the chief when the job spans machines.
+
+    Left alone when ``GLOO_SOCKET_IFNAME`` is set, when the chief is on this machine (a
+    loopback address) and when no interface can be found.
+    """
+    if "gloo" not in backend or os.environ.get("GLOO_SOCKET_IFNAME") or network.is_loopback(chief_host):
+        return
+    interface = network.interface_towards(chief_host)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def _backend(implementation: CommunicationImplementation, use_cuda: bool, shared_gpu: str | None) -> str:

@@ -284,7 +284,7 @@ class FullyShardedExtended(StrategyExtended):
                 raise
             # A worker that died or stalled is named; any other failure is the program's own.
             missing = self._group.missing_workers()
-            if missing == ([], []):
+            if missing is not None and not missing.anyone:
                 raise
             raise self._group.describe_failure(
                 "A fully sharded step (gather or reduce-scatter)", error, missing=missing) from error

@@ -13,6 +13,12 @@ after the SUM it says whether *any* worker had one, so a parameter no worker use
 If backward runs again before the step (gradient accumulation), the launched sums are stale:
 the step waits for them and reduces everything again from the accumulated gradients.
 
+Every bucket also ends with a signature (``fingerprint.signature``): ±1 signs from the number
+of the optimizer step it belongs to and of the ``strategy.run`` call. After the SUM the step
+checks that every worker wrote the same signs, so a worker that skipped or repeated
+``optimizer.step()`` raises ``ReplicaMismatchError`` on every worker instead of summing
+gradients of different steps.
+
 After the step each ``.grad`` is a view of its bucket (as DDP's ``gradient_as_bucket_view``):
 the sum is not copied back. A gradient still aliasing its bucket at the next launch gets its
 own memory first, so a backward can never write into a bucket that is being all-reduced.
@@ -25,20 +31,23 @@ from typing import Any
 
 import torch
 
+from torch_distribute.collectives import fingerprint
 from torch_distribute.collectives.packing import unpack
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
 
 
 class _Bucket:
-    """One flat buffer: every record's gradient (a view each), then one flag per record."""
+    """One flat buffer: every record's gradient (a view each), one flag per record, then the
+    signature."""
 
     def __init__(self, records: list[MirroredTensor], device: torch.device, dtype: torch.dtype):
         self.records = records
         total = sum(r.primary.numel() for r in records)
-        self.flat = torch.zeros(total + len(records), device=device, dtype=dtype)
+        self.flat = torch.zeros(total + len(records) + fingerprint.SIGNATURE_LENGTH, device=device, dtype=dtype)
         self.views = [v.view(-1) for v in unpack(self.flat, [r.primary for r in records])]
         self.flag_offset = total
+        self.signature_offset = total + len(records)
 
 
 class GradientSynchronizer:
@@ -55,6 +64,7 @@ class GradientSynchronizer:
         self._buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
         self._hooked: dict[int, tuple[int, ...]] = {}
         self._handles: list[Any] = []
+        self._steps = 0  # optimizer steps finished
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -115,12 +125,17 @@ class GradientSynchronizer:
                 else:
                     view.zero_()
                 flags.append(1.0 if grads else 0.0)
-            bucket.flat[bucket.flag_offset:].copy_(torch.tensor(flags, dtype=bucket.flat.dtype))
+            signs = fingerprint.signature(self._steps + 1, self._group.run_count)
+            bucket.flat[bucket.flag_offset:].copy_(torch.tensor(flags + signs, dtype=bucket.flat.dtype))
         self._works.append(self._group.all_reduce_async(bucket.flat))
 
     # -- the optimizer step ------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for every bucket and leave the global sums in copy 0's gradients."""
+        # On the main group: a worker making another collective instead (a reduce, a save),
+        # or another step, is named at once, before any bucket of another step is summed.
+        self._group.agree("optimizer step", f"optimizer step {self._steps + 1} in strategy.run "
+                                            f"#{self._group.run_count} (gradient all-reduce)")
         with self._lock:
             if self._dirty:
                 for work in self._works:
@@ -132,9 +147,10 @@ class GradientSynchronizer:
             works = self._works
         for work in works:
             self._group.wait("gradient all-reduce", work)
+        self._check_signatures()
         with torch.no_grad():
             for bucket in self._buckets:
-                flags = bucket.flat[bucket.flag_offset:].tolist()
+                flags = bucket.flat[bucket.flag_offset:bucket.signature_offset].tolist()
                 for slot, record in enumerate(bucket.records):
                     primary = record.primary
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
@@ -142,7 +158,21 @@ class GradientSynchronizer:
                     for replica_copy in record.copies[1:]:
                         replica_copy.grad = None
         with self._lock:
+            self._steps += 1
             self._reset_round()
+
+    def _check_signatures(self) -> None:
+        """Every worker summed gradients of the same optimizer step and run, or all raise."""
+        expected = torch.tensor(fingerprint.signature(self._steps + 1, self._group.run_count))
+        expected = expected.mul_(self._group.world_size)
+        for bucket in self._buckets:
+            summed = bucket.flat[bucket.signature_offset:].float().cpu()
+            if not torch.equal(summed, expected):
+                with self._lock:
+                    self._reset_round()
+                self._group.raise_mismatch(
+                    f"gradient all-reduce of optimizer step {self._steps + 1} in strategy.run "
+                    f"#{self._group.run_count} (a worker skipped or repeated optimizer.step()?)")
 
     def close(self) -> None:
         for handle in self._handles:

@@ -88,6 +88,8 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
     # -- running -----------------------------------------------------------------------------
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self._group is not None:
+            self._group.begin_run()
         if self.num_local_replicas > 1:
             result = super().call_for_each_replica(fn, args, kwargs)
         else:

@@ -1,0 +1,96 @@
+"""One worker of a program whose workers call different collectives; prints one ``MWRESULT``.
+
+    python mismatch_job.py --mode MODE --timeout S [--off]
+
+Trains a tiny model under ``MultiWorkerMirroredStrategy`` (one CPU replica per worker). At
+step ``AT`` the workers part ways as ``MODE`` says:
+
+- ``extra_reduce``: worker 1 reduces a tensor the other does not;
+- ``shape``: both reduce, worker 0 a float32[4], worker 1 a float32[2, 2];
+- ``dtype``: both reduce, worker 0 a float32[4], worker 1 a float64[4];
+- ``gather``: both gather along 0, worker 0 a [2, 3], worker 1 a [2, 4];
+- ``skip_step``: worker 1 does not call ``optimizer.step()``;
+- ``double_step``: worker 0 calls ``optimizer.step()`` twice;
+- ``early_end``: worker 1 stops training (and exits normally) after ``AT`` steps;
+- ``none``: nobody; both finish.
+
+Each worker reports the error it got, its message and how long it was blocked, and its
+parameters (to check that nothing diverged before the error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mw_helpers as H  # noqa: E402
+
+import torch_distribute as td  # noqa: E402
+
+AT = 3
+STEPS = 8
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", required=True)
+parser.add_argument("--timeout", type=float, required=True)
+parser.add_argument("--off", action="store_true", help="CommunicationOptions(verify_collectives=False)")
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "mode": args.mode, "step": None}
+started = time.monotonic()
+try:
+    options = td.CommunicationOptions(timeout_seconds=args.timeout, verify_collectives=not args.off)
+    strategy = td.MultiWorkerMirroredStrategy(devices=["cpu:0"], communication_options=options)
+    rank = strategy.cluster_resolver.worker_index
+    result["rank"] = rank
+    torch.manual_seed(H.CHIEF_SEED)
+    with strategy.scope():
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(7)
+
+    def step(x: torch.Tensor, k: int) -> None:
+        model(x).square().mean().backward()
+        if not (args.mode == "skip_step" and rank == 1 and k == AT):
+            optimizer.step()
+        if args.mode == "double_step" and rank == 0 and k == AT:
+            optimizer.step()
+        optimizer.zero_grad()
+
+    for k in range(STEPS):
+        result["step"] = k
+        if args.mode == "early_end" and rank == 1 and k == AT:
+            break
+        x = torch.randn(2, 4, generator=data)
+        started = time.monotonic()
+        if k == AT:
+            if args.mode == "extra_reduce" and rank == 1:
+                strategy.reduce("sum", torch.ones(3), axis=None)
+            elif args.mode == "shape":
+                strategy.reduce("sum", torch.ones(4) if rank == 0 else torch.ones(2, 2), axis=None)
+            elif args.mode == "dtype":
+                strategy.reduce("sum", torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64), axis=None)
+            elif args.mode == "gather":
+                strategy.gather(torch.ones(2, 3 if rank == 0 else 4), axis=0)
+        strategy.run(step, args=(x, k))
+    result.update(error=None, finished=True)
+    code = 0
+except td.DistributeError as error:
+    result.update(error=type(error).__name__, message=str(error))
+    code = 17
+except BaseException as error:  # noqa: BLE001 - any other outcome is reported as wrong
+    result.update(error=type(error).__name__, message=str(error))
+    code = 18
+result["blocked_s"] = time.monotonic() - started
+result["params"] = H.flat(model) if "model" in dir() else None
+H.emit(result)
+sys.stdout.flush()
+if code == 0:
+    sys.exit(0)  # a normal end: the worker group tells the others this worker finished
+os._exit(code)  # no interpreter teardown against a peer in another collective

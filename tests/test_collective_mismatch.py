@@ -1,0 +1,110 @@
+"""Workers that call different collectives get ``ReplicaMismatchError``, at once, on every worker.
+
+Each scenario of ``tests/multiworker/mismatch_job.py`` runs as 2 worker processes (TF_CONFIG,
+Gloo, CPU, ``timeout_seconds=10``); all scenarios start together and mostly wait. Checked:
+the error type on both workers, that the message names what each worker called, and that it
+came well before the collective timeout (the fingerprints are compared before the collective
+runs, so nothing waits for a partner that will never come). Every process is killed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torch_distribute.cluster.launcher import free_ports
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+
+JOB = str(Path(__file__).resolve().parent / "multiworker" / "mismatch_job.py")
+TIMEOUT_S = 10
+MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "early_end", "none"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """``{mode: {rank: report}}`` (a report holds ``code`` and ``text`` as well)."""
+    with P.processes(tmp_path_factory.mktemp("mismatch")) as procs:
+        started: dict[str, list] = {}
+        for mode in MODES:
+            cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+            started[mode] = [
+                procs.spawn([JOB, "--mode", mode, "--timeout", str(TIMEOUT_S)],
+                            P.clean_env(MW_RANK=str(rank), TF_CONFIG=json.dumps(
+                                {"cluster": cluster, "task": {"type": "worker", "index": rank}})),
+                            f"{mode}{rank}")
+                for rank in range(2)]
+        deadline = time.monotonic() + 150
+        out: dict[str, dict[int, dict]] = {}
+        for mode, pair in started.items():
+            out[mode] = {}
+            for rank, proc in enumerate(pair):
+                code = procs.wait(proc, deadline - time.monotonic())
+                text = procs.output(proc)
+                report = H.parse_results(text).get(rank, {})
+                out[mode][rank] = {**report, "code": code, "text": text[-3000:]}
+        return out
+
+
+def _both_mismatch(reports: dict, mode: str) -> list[str]:
+    messages = []
+    for rank in range(2):
+        report = reports[mode][rank]
+        assert report["code"] == 17, report["text"]
+        assert report["error"] == "ReplicaMismatchError", report["text"]
+        assert report["blocked_s"] < TIMEOUT_S, report  # found at once, not after the timeout
+        assert "worker 0:" in report["message"] and "worker 1:" in report["message"], report["message"]
+        messages.append(report["message"])
+    return messages
+
+
+@pytest.mark.timeout(200)
+def test_an_extra_reduce_on_one_worker(reports):
+    for message in _both_mismatch(reports, "extra_reduce"):
+        assert "worker 1: reduce of float32[3] at mismatch_job.py" in message, message
+        assert "worker 0: optimizer step" in message, message
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, mine, theirs", [
+    ("shape", "reduce of float32[4]", "reduce of float32[2, 2]"),
+    ("dtype", "reduce of float32[4]", "reduce of float64[4]"),
+    ("gather", "gather of float32[2, 3]", "gather of float32[2, 4]"),
+])
+def test_same_collective_different_tensors(reports, mode, mine, theirs):
+    """Same number of elements, or a dtype Gloo would abort on: named, never mixed."""
+    for message in _both_mismatch(reports, mode):
+        assert f"worker 0: {mine}" in message and f"worker 1: {theirs}" in message, message
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["skip_step", "double_step"])
+def test_a_skipped_or_repeated_optimizer_step(reports, mode):
+    for message in _both_mismatch(reports, mode):
+        assert "worker 0: optimizer step" in message and "worker 1: optimizer step" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_finished_early_is_a_program_bug_not_a_fault(reports):
+    chief, other = reports["early_end"][0], reports["early_end"][1]
+    assert other["code"] == 0 and other.get("finished"), other["text"]
+    assert chief["code"] == 17 and chief["error"] == "ReplicaMismatchError", chief["text"]
+    assert "worker(s) 1 finished their program" in chief["message"], chief["message"]
+    assert "Restart the job" not in chief["message"]
+    assert chief["blocked_s"] < TIMEOUT_S + 10
+
+
+@pytest.mark.timeout(200)
+def test_the_same_program_on_both_workers_runs_through(reports):
+    first, second = reports["none"][0], reports["none"][1]
+    assert first["code"] == 0 and second["code"] == 0, first["text"] + second["text"]
+    assert first["params"] == second["params"]
