@@ -22,7 +22,12 @@ import torch
 from torch_distribute import context
 from torch_distribute.collectives import differentiable
 from torch_distribute.errors import InvalidArgumentError
-from torch_distribute.values import select_replica
+from torch_distribute.values import (
+    DistributedValues,
+    check_reducible,
+    check_same_layout,
+    select_replica,
+)
 
 
 class ReplicaContext:
@@ -90,15 +95,66 @@ class ReplicaContext:
         return select_replica(0, result)
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
-        """Reduce ``value`` (a tensor or nest of tensors) over all replicas; differentiable."""
-        return differentiable.all_reduce(self, reduce_op, value)
+        """Reduce ``value`` (a tensor or nest of tensors) over all replicas; differentiable.
+
+        Raises:
+            InvalidArgumentError: a leaf that is not a tensor (or Python number), or this
+                process's replicas giving values of different shapes or dtypes (named with
+                them), before anything is reduced.
+        """
+        check_reducible(value, "ReplicaContext.all_reduce")
+        return differentiable.all_reduce(_CheckedMerge(self, "ReplicaContext.all_reduce", None), reduce_op, value)
 
     def all_gather(self, value: Any, axis: int) -> Any:
-        """Concatenate ``value`` from every replica along ``axis``, in replica order."""
-        return differentiable.all_gather(self, value, axis)
+        """Concatenate ``value`` from every replica along ``axis``, in replica order.
+
+        Raises:
+            InvalidArgumentError: a leaf that is not a tensor (or Python number), or this
+                process's replicas giving values of different dtypes or of different shapes
+                outside ``axis`` (named with them), before anything is gathered.
+        """
+        check_reducible(value, "ReplicaContext.all_gather")
+        return differentiable.all_gather(_CheckedMerge(self, "ReplicaContext.all_gather", axis), value, axis)
 
     def __repr__(self) -> str:
         return (
             f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+
+class _CheckedMerge:
+    """A replica context for ``collectives.differentiable`` whose merge first checks the
+    replicas' values (dtypes and shapes, no data) and then lets the strategy combine them.
+
+    It meets the other replicas in the same ``merge_call`` as the collective itself, so the
+    check costs no extra synchronisation; with one local replica there is nothing to compare.
+    """
+
+    def __init__(self, replica_context: ReplicaContext, what: str, axis: int | None):
+        self._context = replica_context
+        self._what = what
+        self._axis = axis
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._context.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._context.replica_id_in_sync_group
+
+    def merge_call_now(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        what, axis = self._what, self._axis
+
+        def checked(strategy: Any, *per_replica: Any) -> Any:
+            offset = strategy.extended.replica_id_offset
+            for value in per_replica:
+                if isinstance(value, DistributedValues):
+                    components = [torch.as_tensor(v) for v in value.values]
+                    if axis is not None:
+                        components = [c.unsqueeze(0) if c.dim() == 0 else c for c in components]
+                    check_same_layout(components, what, axis=axis, first_replica=offset)
+            return merge_fn(strategy, *per_replica)
+
+        return self._context.merge_call_now(checked, args, kwargs)

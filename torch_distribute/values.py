@@ -2,6 +2,11 @@
 
 ``PerReplica`` holds values that differ between replicas (a loss, a batch slice);
 ``Mirrored`` holds values that are the same on every replica.
+
+``check_reducible`` and ``check_same_layout`` are the checks every reduction and gather
+makes on its input before any data moves (``Strategy.reduce``/``gather``,
+``ReplicaContext.all_reduce``/``all_gather``, the in-process cross-device ops): only types,
+shapes and dtypes are compared, never data.
 """
 
 from __future__ import annotations
@@ -9,7 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from torch_distribute import nest
+from torch_distribute.errors import InvalidArgumentError
 
 
 class DistributedValues:
@@ -85,3 +93,113 @@ def regroup(per_replica_results: Sequence[Any], always_wrap: bool = False) -> An
         return PerReplica(leaves)
 
     return nest.map_structure_up_to(list(per_replica_results), combine)
+
+
+# -- checks on what is reduced or gathered ---------------------------------------------------
+
+#: Python scalars a reduction accepts besides tensors (and NumPy arrays and scalars).
+_PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+def is_tensor_like(leaf: Any) -> bool:
+    """Whether ``leaf`` can be reduced: a tensor, a Python number, a NumPy array or scalar.
+
+    >>> is_tensor_like(torch.ones(2)), is_tensor_like(3.0), is_tensor_like("3"), is_tensor_like(None)
+    (True, True, False, False)
+    """
+    if isinstance(leaf, (torch.Tensor, *_PYTHON_NUMBERS)):
+        return True
+    return type(leaf).__module__ == "numpy" and hasattr(leaf, "dtype")
+
+
+def _shown(leaf: Any) -> str:
+    text = repr(leaf)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_reducible(value: Any, what: str) -> None:
+    """Raise ``InvalidArgumentError`` unless every leaf of ``value`` (and every component of
+    each ``PerReplica``/``Mirrored`` leaf) is a tensor, a Python number or a NumPy array.
+
+    ``what`` names the call in the message (``"strategy.reduce"``).
+
+    >>> check_reducible({"loss": torch.ones(()), "n": 3}, "strategy.reduce")
+    >>> check_reducible(PerReplica((torch.ones(2), "x")), "strategy.reduce")
+    Traceback (most recent call last):
+    ...
+    torch_distribute.errors.InvalidArgumentError: strategy.reduce got a PerReplica whose replica 1 is 'x' (type str); it combines tensors (or Python numbers), or nests of them such as the PerReplica values strategy.run() returns.
+    """
+    hint = ("it combines tensors (or Python numbers), or nests of them such as the PerReplica "
+            "values strategy.run() returns.")
+    for leaf in nest.leaves(value):
+        if isinstance(leaf, DistributedValues):
+            for k, component in enumerate(leaf.values):
+                if not is_tensor_like(component):
+                    raise InvalidArgumentError(
+                        f"{what} got a {type(leaf).__name__} whose replica {k} is "
+                        f"{_shown(component)} (type {type(component).__name__}); {hint}"
+                    )
+        elif not is_tensor_like(leaf):
+            where = "" if leaf is value else f" in {_shown(value)}"
+            raise InvalidArgumentError(
+                f"{what} got {_shown(leaf)} (type {type(leaf).__name__}){where}; {hint}"
+            )
+
+
+def _layout(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def check_same_layout(
+    components: Sequence[torch.Tensor],
+    what: str,
+    *,
+    axis: int | None = None,
+    first_replica: int = 0,
+) -> None:
+    """Raise ``InvalidArgumentError`` unless the replicas' components of one value can be
+    combined: the same dtype, and the same shape (``axis=None``: reduce) or the same shape
+    outside ``axis`` (gather, or reduce along ``axis``; ``axis`` must be in range).
+
+    The message names every replica (``first_replica + k``) with its shape and dtype.
+
+    >>> check_same_layout([torch.ones(2, 3), torch.ones(4, 3)], "strategy.gather", axis=0)
+    >>> check_same_layout([torch.ones(2, 3), torch.ones(2, 4)], "strategy.gather", axis=0)
+    Traceback (most recent call last):
+    ...
+    torch_distribute.errors.InvalidArgumentError: strategy.gather: the replicas' values differ in shape outside axis 0 (replica 0: (2, 3) float32, replica 1: (2, 4) float32). Every replica must give the same shape except along axis 0.
+    """
+    if len(components) < 2:
+        return
+    first = components[0]
+
+    def listing() -> str:
+        return ", ".join(f"replica {first_replica + k}: {_layout(c)}" for k, c in enumerate(components))
+
+    if any(c.dtype != first.dtype for c in components[1:]):
+        raise InvalidArgumentError(
+            f"{what}: the replicas' values have different dtypes ({listing()}). Every replica "
+            "must give the same dtype: cast them (e.g. .float()) before combining them."
+        )
+    if axis is None:
+        if any(c.shape != first.shape for c in components[1:]):
+            raise InvalidArgumentError(
+                f"{what}: the replicas' values differ in shape ({listing()}). Every replica must "
+                "give the same shape; for per-example values of different lengths reduce with "
+                "axis=0 or use gather."
+            )
+        return
+
+    def off_axis(tensor: torch.Tensor) -> tuple[int, ...] | None:
+        dims = tensor.dim()
+        if not -dims <= axis < dims:
+            return None
+        shape = list(tensor.shape)
+        del shape[axis % dims]
+        return (dims, *shape)
+
+    if len({off_axis(c) for c in components}) > 1:
+        raise InvalidArgumentError(
+            f"{what}: the replicas' values differ in shape outside axis {axis} ({listing()}). "
+            f"Every replica must give the same shape except along axis {axis}."
+        )

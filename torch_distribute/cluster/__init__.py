@@ -6,13 +6,19 @@
 (1, 0, True)
 
 The base class and TensorFlow's validation are in :mod:`torch_distribute.cluster.base`;
+every ``host:port`` address is checked in one place, ``split_address``;
 one module per source of a cluster description: :mod:`~torch_distribute.cluster.tf_config`,
 :mod:`~torch_distribute.cluster.torchrun`, :mod:`~torch_distribute.cluster.slurm_resolver`,
 :mod:`~torch_distribute.cluster.simple`; :mod:`~torch_distribute.cluster.detect` picks one.
 """
 
-from torch_distribute.cluster.base import VALID_TASK_TYPES, ClusterResolver, validate_cluster_spec
-from torch_distribute.cluster.cluster_spec import ClusterSpec, split_address
+from torch_distribute.cluster.base import (
+    VALID_TASK_TYPES,
+    ClusterResolver,
+    ConfigFields,
+    validate_cluster_spec,
+)
+from torch_distribute.cluster.cluster_spec import ClusterSpec, field_path, split_address
 from torch_distribute.cluster.detect import resolve_cluster
 from torch_distribute.cluster.simple import SimpleClusterResolver
 from torch_distribute.cluster.slurm import expand_hostlist, expand_tasks_per_node
@@ -26,12 +32,14 @@ __all__ = [
     "ClusterConfigError",
     "ClusterResolver",
     "ClusterSpec",
+    "ConfigFields",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",
     "expand_hostlist",
     "expand_tasks_per_node",
+    "field_path",
     "resolve_cluster",
     "split_address",
     "validate_cluster_spec",

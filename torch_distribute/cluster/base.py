@@ -29,14 +29,26 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from torch_distribute.cluster.cluster_spec import ClusterSpec, ClusterSpecLike, split_address
+from torch_distribute.cluster.cluster_spec import (
+    ClusterSpec,
+    ClusterSpecLike,
+    field_path,
+    split_address,
+)
 from torch_distribute.cluster.env import env_int_value, environ_or_default
 from torch_distribute.errors import ClusterConfigError
 
-__all__ = ["VALID_TASK_TYPES", "ClusterResolver", "coerce_index", "validate_cluster_spec"]
+__all__ = [
+    "VALID_TASK_TYPES",
+    "ClusterResolver",
+    "ConfigFields",
+    "coerce_index",
+    "validate_cluster_spec",
+]
 
 #: The job names a multi-worker cluster may have, as in TensorFlow.
 VALID_TASK_TYPES = ("chief", "worker", "evaluator", "ps")
@@ -63,8 +75,40 @@ def coerce_index(value: object, field: str) -> int | None:
     raise ClusterConfigError(f"{field} must be an integer, got {value!r}")
 
 
+@dataclass(frozen=True)
+class ConfigFields:
+    """What a cluster description calls its fields, so validation errors name them.
+
+    ``cluster`` prefixes the address of each task (``TF_CONFIG["cluster"]["worker"][1]``);
+    ``task_type`` and ``task_id`` name where this task's place came from. With
+    ``check_addresses=False`` the addresses are not checked as ``host:port`` (torchrun's
+    cluster has placeholders for every rank but 0; its ``MASTER_ADDR``/``MASTER_PORT`` are
+    checked when it is built).
+
+    >>> ConfigFields().task_id
+    'task.index'
+    """
+
+    cluster: str = "cluster"
+    task_type: str = "task.type"
+    task_id: str = "task.index"
+    check_addresses: bool = True
+
+
+_DEFAULT_FIELDS = ConfigFields()
+
+
+def _naming(field: str, default: str) -> str:
+    """A message prefix naming ``field`` unless it is the generic name already in the text."""
+    return "" if field == default else f"{field}: "
+
+
 def validate_cluster_spec(
-    cluster_spec: ClusterSpecLike, task_type: str | None, task_id: int | None
+    cluster_spec: ClusterSpecLike,
+    task_type: str | None,
+    task_id: int | None,
+    *,
+    fields: ConfigFields | None = None,
 ) -> None:
     """Check a multi-worker cluster and this task's place in it (TensorFlow's rules).
 
@@ -72,15 +116,19 @@ def validate_cluster_spec(
 
     - every job is one of ``chief``, ``worker``, ``evaluator``, ``ps``;
     - at most one ``chief`` task and at most one ``evaluator`` task;
+    - every address is ``host:port`` with a port in 1..65535 (``split_address``);
     - no address is used by two tasks;
     - ``task_type`` and ``task_id`` are both given (``task`` in ``TF_CONFIG``);
     - ``task_type`` is a valid job name and a job of the cluster (an ``evaluator`` may be
       missing from the cluster: it runs on its own);
     - ``task_id`` is an integer index of a task of that job.
 
+    ``fields`` says what the source calls the fields (default: ``cluster``, ``task.type``,
+    ``task.index``); errors are prefixed with the field to fix.
+
     Raises:
         ClusterConfigError: naming the field to fix (``cluster``, ``task.type``,
-            ``task.index``).
+            ``task.index``, or the source's own names from ``fields``).
 
     >>> validate_cluster_spec({"worker": ["a:1", "b:1"]}, "worker", 1)
     >>> validate_cluster_spec({"worker": ["a:1", "b:1"]}, "worker", 2)
@@ -88,34 +136,43 @@ def validate_cluster_spec(
     ...
     torch_distribute.errors.ClusterConfigError: task.index 2 is past the end of job 'worker', which has 2 tasks (valid indices are 0..1)
     """
-    spec = ClusterSpec(cluster_spec)
+    fields = fields or _DEFAULT_FIELDS
+    spec = ClusterSpec(cluster_spec, field=fields.cluster)
     if not spec:
         return
+    cluster_prefix = _naming(fields.cluster, "cluster")
+    type_prefix = _naming(fields.task_type, "task.type")
+    id_prefix = _naming(fields.task_id, "task.index")
     jobs = spec.jobs
     for job in jobs:
         if job not in VALID_TASK_TYPES:
             hint = " (TensorFlow 1's 'master' is called 'chief' here)" if job == "master" else ""
             raise ClusterConfigError(
-                f"cluster has an unknown job {job!r}{hint}; job names must be among "
-                f"{_quoted(VALID_TASK_TYPES)}"
+                f"{cluster_prefix}cluster has an unknown job {job!r}{hint}; job names must be "
+                f"among {_quoted(VALID_TASK_TYPES)}"
             )
     for job in ("chief", "evaluator"):
         if job in jobs and spec.num_tasks(job) > 1:
             raise ClusterConfigError(
-                f"cluster job {job!r} has {spec.num_tasks(job)} tasks; there must be at most "
-                f"one {job!r} task"
+                f"{field_path(fields.cluster, job)}: cluster job {job!r} has "
+                f"{spec.num_tasks(job)} tasks; there must be at most one {job!r} task"
             )
-    owners: dict[str, tuple[str, int]] = {}
+    owners: dict[tuple[str, int] | str, tuple[str, int]] = {}
     for job in jobs:
         for index in spec.task_indices(job):
             address = spec.task_address(job, index)
-            if address in owners:
-                other_job, other_index = owners[address]
+            where = field_path(fields.cluster, job, index)
+            key: tuple[str, int] | str = address
+            if fields.check_addresses:
+                host, port = split_address(address, what=where)
+                key = (host.lower(), port)  # host names are case-insensitive
+            if key in owners:
+                other_job, other_index = owners[key]
                 raise ClusterConfigError(
-                    f"cluster address {address!r} is used by two tasks, {other_job} "
+                    f"{where}: cluster address {address!r} is used by two tasks, {other_job} "
                     f"{other_index} and {job} {index}; every task needs its own host:port"
                 )
-            owners[address] = (job, index)
+            owners[key] = (job, index)
 
     if task_type is None and task_id is None:
         raise ClusterConfigError(
@@ -125,26 +182,33 @@ def validate_cluster_spec(
         )
     if task_type is None:
         raise ClusterConfigError(
-            f"task.type is missing (task.index is {task_id!r}): set `task.type` in TF_CONFIG "
-            f"to one of {_quoted(jobs)}"
+            f"{type_prefix}task.type is missing (task.index is {task_id!r}): set `task.type` in "
+            f"TF_CONFIG to one of {_quoted(jobs)}"
         )
     if task_id is None:
         raise ClusterConfigError(
-            f"task.index is missing (task.type is {task_type!r}): set `task.index` in TF_CONFIG"
+            f"{id_prefix}task.index is missing (task.type is {task_type!r}): set `task.index` "
+            "in TF_CONFIG"
+        )
+    if not isinstance(task_type, str):
+        raise ClusterConfigError(
+            f"{type_prefix}task.type must be a string, one of {_quoted(VALID_TASK_TYPES)}; got "
+            f"{task_type!r}"
         )
     if task_type not in VALID_TASK_TYPES:
         raise ClusterConfigError(
-            f"task.type {task_type!r} is not a valid task type; it must be one of "
+            f"{type_prefix}task.type {task_type!r} is not a valid task type; it must be one of "
             f"{_quoted(VALID_TASK_TYPES)}"
         )
     if task_type not in jobs and task_type != "evaluator":
         raise ClusterConfigError(
-            f"task.type {task_type!r} is not a job of the cluster, whose jobs are {_quoted(jobs)}"
+            f"{type_prefix}task.type {task_type!r} is not a job of the cluster, whose jobs are "
+            f"{_quoted(jobs)}; add it to the cluster or fix the task type"
         )
     if isinstance(task_id, bool) or not isinstance(task_id, int):
-        raise ClusterConfigError(f"task.index must be an integer, got {task_id!r}")
+        raise ClusterConfigError(f"{id_prefix}task.index must be an integer, got {task_id!r}")
     if task_id < 0:
-        raise ClusterConfigError(f"task.index {task_id} is negative")
+        raise ClusterConfigError(f"{id_prefix}task.index {task_id} is negative")
     if task_type in jobs:
         indices = spec.task_indices(task_type)
         count = len(indices)
@@ -152,13 +216,13 @@ def validate_cluster_spec(
             if task_id >= count:
                 last = f"valid indices are 0..{count - 1}" if count else "it has no tasks"
                 raise ClusterConfigError(
-                    f"task.index {task_id} is past the end of job {task_type!r}, which has "
-                    f"{count} task{'' if count == 1 else 's'} ({last})"
+                    f"{id_prefix}task.index {task_id} is past the end of job {task_type!r}, "
+                    f"which has {count} task{'' if count == 1 else 's'} ({last})"
                 )
         elif task_id not in indices:
             raise ClusterConfigError(
-                f"task.index {task_id} is not a task of job {task_type!r}, whose task indices "
-                f"are {indices}"
+                f"{id_prefix}task.index {task_id} is not a task of job {task_type!r}, whose "
+                f"task indices are {indices}"
             )
 
 
@@ -290,6 +354,14 @@ class ClusterResolver(abc.ABC):
 
     # -- what the multi-worker strategy needs --------------------------------------------
 
+    def config_fields(self) -> ConfigFields:
+        """What this resolver's source calls its fields, for the errors of ``validate()``.
+
+        The base names them ``cluster``, ``task.type`` and ``task.index``; a resolver reading
+        a particular source overrides it (``TF_CONFIG["cluster"]``, ...).
+        """
+        return _DEFAULT_FIELDS
+
     def validate(self) -> ClusterSpec:
         """Check the cluster and this task's place in it; return the cluster.
 
@@ -298,7 +370,7 @@ class ClusterResolver(abc.ABC):
         """
         spec = self.cluster_spec()
         if spec:
-            validate_cluster_spec(spec, self.task_type, self.task_id)
+            validate_cluster_spec(spec, self.task_type, self.task_id, fields=self.config_fields())
         return spec
 
     @property

@@ -18,41 +18,55 @@ False
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Mapping, Sequence
 from typing import Union
 
 from torch_distribute.errors import ClusterConfigError
 
-__all__ = ["ClusterSpec", "ClusterSpecLike", "split_address"]
+__all__ = ["ClusterSpec", "ClusterSpecLike", "field_path", "split_address"]
 
 #: What every function taking a cluster accepts: a ``ClusterSpec``, the ``TF_CONFIG``-style
 #: dict (dense lists or sparse ``{index: address}`` dicts), or ``None`` for an empty cluster.
 ClusterSpecLike = Union["ClusterSpec", Mapping[str, Sequence[str] | Mapping[int, str]], None]
 
 
-def _task_index(job: str, key: object) -> int:
+def field_path(base: str, *keys: object) -> str:
+    """The name of a nested field, as errors print it: ``TF_CONFIG["cluster"]["worker"][1]``.
+
+    >>> field_path('TF_CONFIG["cluster"]', "worker", 1)
+    'TF_CONFIG["cluster"]["worker"][1]'
+    """
+    return base + "".join(f"[{json.dumps(key) if isinstance(key, str) else key}]" for key in keys)
+
+
+def _task_index(job: str, key: object, field: str) -> int:
     """A sparse-form task key: an int, or a string of digits as JSON object keys always are."""
+    where = field_path(field, job)
     if isinstance(key, bool):
-        raise ClusterConfigError(f"cluster job {job!r} has task index {key!r}, not an integer")
+        raise ClusterConfigError(
+            f"{where}: cluster job {job!r} has task index {key!r}, not an integer"
+        )
     if isinstance(key, int):
         index = key
     elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
         index = int(key)
     else:
         raise ClusterConfigError(
-            f"cluster job {job!r} has task index {key!r}; task indices must be integers "
+            f"{where}: cluster job {job!r} has task index {key!r}; task indices must be integers "
             '(e.g. {"worker": {"0": "host:port"}})'
         )
     if index < 0:
-        raise ClusterConfigError(f"cluster job {job!r} has negative task index {index}")
+        raise ClusterConfigError(f"{where}: cluster job {job!r} has negative task index {index}")
     return index
 
 
-def _address(job: str, index: int, address: object) -> str:
-    if not isinstance(address, str) or not address:
+def _address(job: str, index: int, address: object, field: str) -> str:
+    if not isinstance(address, str) or not address.strip():
         raise ClusterConfigError(
-            f"cluster job {job!r} task {index} has address {address!r}; expected a "
-            "'host:port' string"
+            f"{field_path(field, job, index)} is {address!r}: cluster job {job!r} task {index} "
+            "needs a 'host:port' address (e.g. 'worker0:2222')"
         )
     return address
 
@@ -65,10 +79,15 @@ class ClusterSpec:
             ``{job_name: {task_index: address}}`` (string indices such as ``"1"``, as JSON
             produces them, are converted to ``int``), another ``ClusterSpec`` (copied), or
             ``None`` for an empty cluster (a single local worker).
+        field: what errors call ``cluster`` (``'TF_CONFIG["cluster"]'``), so that they name
+            the bad field (``TF_CONFIG["cluster"]["worker"][1]``).
 
     Raises:
         ClusterConfigError: a job name that is not a string, a job that is neither a list nor
-            a dict, a task index that is not an integer, or an address that is not a string.
+            a dict, a task index that is not an integer, or an address that is not a
+            non-empty string. Whether an address is a valid ``host:port`` is checked by
+            ``validate_cluster_spec`` (``split_address``), not here: a ``ClusterSpec`` is
+            just the mapping, as in TensorFlow.
 
     >>> ClusterSpec({"worker": {"0": "a:1", "1": "b:1"}}).as_dict()
     {'worker': ['a:1', 'b:1']}
@@ -78,7 +97,7 @@ class ClusterSpec:
 
     __slots__ = ("_jobs",)
 
-    def __init__(self, cluster: ClusterSpecLike = None) -> None:
+    def __init__(self, cluster: ClusterSpecLike = None, *, field: str = "cluster") -> None:
         self._jobs: dict[str, dict[int, str]] = {}
         if cluster is None:
             return
@@ -87,30 +106,32 @@ class ClusterSpec:
             return
         if not isinstance(cluster, Mapping):
             raise ClusterConfigError(
-                f"cluster must be a dict of job name -> list of 'host:port' addresses, "
+                f"{field} must be a dict of job name -> list of 'host:port' addresses, "
                 f"got {type(cluster).__name__}: {cluster!r}"
             )
         for job, tasks in cluster.items():
-            if not isinstance(job, str) or not job:
+            if not isinstance(job, str) or not job.strip():
                 raise ClusterConfigError(
-                    f"cluster job names must be non-empty strings, got {job!r}"
+                    f"{field}: cluster job names must be non-empty strings, got {job!r}"
                 )
             if isinstance(tasks, Mapping):
                 parsed: dict[int, str] = {}
                 for key, address in tasks.items():
-                    index = _task_index(job, key)
+                    index = _task_index(job, key, field)
                     if index in parsed:
                         raise ClusterConfigError(
-                            f"cluster job {job!r} lists task index {index} twice"
+                            f"{field_path(field, job)}: cluster job {job!r} lists task index "
+                            f"{index} twice"
                         )
-                    parsed[index] = _address(job, index, address)
+                    parsed[index] = _address(job, index, address, field)
                 self._jobs[job] = dict(sorted(parsed.items()))
             elif isinstance(tasks, Sequence) and not isinstance(tasks, str | bytes):
-                self._jobs[job] = {i: _address(job, i, a) for i, a in enumerate(tasks)}
+                self._jobs[job] = {i: _address(job, i, a, field) for i, a in enumerate(tasks)}
             else:
                 raise ClusterConfigError(
-                    f"cluster job {job!r} must be a list of 'host:port' addresses (or a dict "
-                    f"task index -> address), got {type(tasks).__name__}: {tasks!r}"
+                    f"{field_path(field, job)}: cluster job {job!r} must be a list of "
+                    "'host:port' addresses (or a dict task index -> address), got "
+                    f"{type(tasks).__name__}: {tasks!r}"
                 )
 
     @property
@@ -182,22 +203,64 @@ class ClusterSpec:
         return f"ClusterSpec({self.as_dict()!r})"
 
 
-def split_address(address: str, *, what: str = "address") -> tuple[str, int]:
-    """Split ``"host:port"`` (or ``"[v6::addr]:port"``) into ``(host, port)``.
+def split_address(address: object, *, what: str = "address") -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6::addr]:port"``) into ``(host, port)``, checking both.
+
+    The one place an address is validated: cluster addresses (``validate_cluster_spec``),
+    the rendezvous address, ``MASTER_ADDR``/``MASTER_PORT`` and the launcher's ``--master``
+    all come here. The port must be an integer in 1..65535; the host must be non-empty,
+    without spaces, and an IPv6 address must be written in brackets.
+
+    Raises:
+        ClusterConfigError: naming ``what`` (the field the address came from) and the fix.
 
     >>> split_address("10.0.0.1:2222")
     ('10.0.0.1', 2222)
     >>> split_address("[::1]:2222")
     ('::1', 2222)
+    >>> split_address("w1:70000", what='TF_CONFIG["cluster"]["worker"][1]')
+    Traceback (most recent call last):
+    ...
+    torch_distribute.errors.ClusterConfigError: TF_CONFIG["cluster"]["worker"][1] 'w1:70000' has port 70000, but a port must be in 1..65535
     """
+    if not isinstance(address, str):
+        raise ClusterConfigError(
+            f"{what} is {address!r} ({type(address).__name__}), not a 'host:port' string "
+            "(e.g. 'worker0:2222')"
+        )
     host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
+    if not sep or not host or not port_text:
         raise ClusterConfigError(
             f"{what} {address!r} is not of the form 'host:port' (e.g. 'worker0:2222')"
         )
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ClusterConfigError(
+            f"{what} {address!r} has port {port_text!r}, which is not an integer; write "
+            "'host:port' with a port number between 1 and 65535 (e.g. 'worker0:2222')"
+        )
     port = int(port_text)
-    if not 0 <= port <= 65535:
-        raise ClusterConfigError(f"{what} {address!r} has port {port}, outside 0..65535")
+    if not 1 <= port <= 65535:
+        raise ClusterConfigError(
+            f"{what} {address!r} has port {port}, but a port must be in 1..65535"
+        )
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ClusterConfigError(
+                f"{what} {address!r} has {host!r} in brackets, which is not an IPv6 address; "
+                "only IPv6 addresses are written in brackets ('[::1]:2222')"
+            ) from None
+        return host, port
+    if ":" in host:
+        raise ClusterConfigError(
+            f"{what} {address!r} has host {host!r}, which contains ':'; write an IPv6 address in "
+            "brackets ('[::1]:2222') and leave out any scheme such as 'grpc://'"
+        )
+    if any(c.isspace() for c in host) or any(c in host for c in "[]/@"):
+        raise ClusterConfigError(
+            f"{what} {address!r} has host {host!r}, which is not a host name or IP address "
+            "(no spaces, brackets, '/' or '@'); write 'host:port' (e.g. 'worker0:2222')"
+        )
     return host, port

@@ -36,8 +36,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from torch_distribute.cluster.cluster_spec import split_address
 from torch_distribute.cluster.supervisor import TaskSpec
-from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
 
 __all__ = [
     "ENV_MODES",
@@ -74,24 +75,22 @@ TORCHRUN_VARS = (
 def parse_master(master: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"[v6addr]:port"``) → ``(host, port)``; clear error otherwise.
 
+    The address is checked by ``cluster_spec.split_address``, as every cluster address is.
+
+    Raises:
+        InvalidArgumentError: naming ``--master`` and what is wrong with it.
+
     >>> parse_master("[::1]:1234")
     ('::1', 1234)
     """
-    text = master.strip()
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text:
-        raise InvalidArgumentError(f"--master must be HOST:PORT (got {master!r})")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port = int(port_text)
-    except ValueError:
+    if not isinstance(master, str):
         raise InvalidArgumentError(
-            f"--master port must be an integer (got {port_text!r} in {master!r})"
-        ) from None
-    if not 0 < port < 65536:
-        raise InvalidArgumentError(f"--master port must be in 1..65535 (got {port})")
-    return host, port
+            f"--master must be a 'HOST:PORT' string, got {type(master).__name__}: {master!r}"
+        )
+    try:
+        return split_address(master.strip(), what="--master")
+    except ClusterConfigError as error:
+        raise InvalidArgumentError(f"--master must be HOST:PORT (e.g. node0:29500): {error}") from None
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -31,6 +31,15 @@ __all__ = ["SlurmClusterResolver"]
 _SLURM_VISIBLE_DEVICES_KEY = "TORCH_DISTRIBUTE_SLURM_VISIBLE_DEVICES"
 
 
+def _int_argument(value: object, name: str, *, minimum: int = 0) -> int:
+    """A constructor argument that must be an integer ``>= minimum``; errors name it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterConfigError(f"{name} must be an integer, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ClusterConfigError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
 def _visible_devices(environ: Mapping[str, str]) -> list[str] | None:
     """The node's visible GPU ids before any narrowing, or ``None`` when not restricted."""
     value = environ.get(_SLURM_VISIBLE_DEVICES_KEY)
@@ -52,7 +61,7 @@ def _count_node_gpus(environ: Mapping[str, str]) -> int:
         return len(visible)
     on_node = environ.get("SLURM_GPUS_ON_NODE")
     if on_node is not None and on_node.strip():
-        return env_int_value("SLURM_GPUS_ON_NODE", on_node)
+        return env_int(environ, "SLURM_GPUS_ON_NODE", minimum=0)
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
         return 0
@@ -124,20 +133,39 @@ class SlurmClusterResolver(ClusterResolver):
         env = self.environ
         hint = " (SLURM sets it inside a job step: start the workers with srun)"
         self._rank = env_int(env, "SLURM_PROCID", minimum=0, hint=hint)
-        self._port_base = int(port_base)
+        self._port_base = _int_argument(port_base, "port_base", minimum=1)
 
         configuration = self._task_configuration(tasks_per_node)
         self._hosts = list(configuration)
         total = sum(configuration.values())
         if total == 0:
             raise ClusterConfigError("the SLURM step has no tasks on any node")
+        last_port = self._port_base + max(configuration.values()) - 1
+        if last_port > 65535:
+            raise ClusterConfigError(
+                f"port_base={self._port_base} with up to {max(configuration.values())} tasks on "
+                f"a node gives ports up to {last_port}, past 65535; pass a lower port_base"
+            )
 
         num_tasks = first_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
         if jobs is None:
-            jobs = {"worker": total if num_tasks is None else env_int_value(*num_tasks)}
-        self._jobs = {str(job): int(n) for job, n in jobs.items()}
-        if any(n < 0 for n in self._jobs.values()):
-            raise ClusterConfigError(f"jobs must have non-negative task counts, got {self._jobs}")
+            count = total if num_tasks is None else env_int_value(*num_tasks)
+            if count != total:
+                name, text = num_tasks  # type: ignore[misc]
+                raise ClusterConfigError(
+                    f"{name}={text!r} but the SLURM step places {total} tasks on its nodes "
+                    f"({configuration}); the SLURM variables disagree (or pass jobs=)"
+                )
+            jobs = {"worker": count}
+        if not isinstance(jobs, Mapping):
+            raise ClusterConfigError(
+                f"jobs must be a dict of job name -> number of tasks, got {jobs!r}"
+            )
+        for job, n in jobs.items():
+            if not isinstance(job, str) or not job:
+                raise ClusterConfigError(f"jobs has a job name {job!r}; job names are strings")
+            _int_argument(n, f"jobs[{job!r}]")
+        self._jobs = dict(jobs)
         requested = sum(self._jobs.values())
         if requested != total:
             raise ClusterConfigError(
@@ -168,10 +196,10 @@ class SlurmClusterResolver(ClusterResolver):
         max_tasks = max(configuration.values())
         if gpus_per_node is None:
             gpus_per_node = _count_node_gpus(env)
+        gpus_per_node = _int_argument(gpus_per_node, "gpus_per_node")
         if gpus_per_task is None:
             gpus_per_task = gpus_per_node // max_tasks
-        if gpus_per_node < 0 or gpus_per_task < 0:
-            raise ClusterConfigError("gpus_per_node and gpus_per_task must not be negative")
+        gpus_per_task = _int_argument(gpus_per_task, "gpus_per_task")
         if max_tasks * gpus_per_task > gpus_per_node:
             raise ClusterConfigError(
                 f"asked for {gpus_per_task} GPUs per task with up to {max_tasks} tasks on a "
@@ -185,7 +213,8 @@ class SlurmClusterResolver(ClusterResolver):
     def _task_configuration(self, tasks_per_node: int | Mapping[str, int] | None) -> dict[str, int]:
         env = self.environ
         if isinstance(tasks_per_node, Mapping):
-            return {str(host): int(n) for host, n in tasks_per_node.items()}
+            return {str(host): _int_argument(n, f"tasks_per_node[{host!r}]")
+                    for host, n in tasks_per_node.items()}
         found = first_env(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
         if found is None:
             raise ClusterConfigError(
@@ -197,7 +226,7 @@ class SlurmClusterResolver(ClusterResolver):
         if len(set(hosts)) != len(hosts):
             raise ClusterConfigError(f"SLURM node list {nodelist!r} names a node twice")
         if tasks_per_node is not None:
-            return dict.fromkeys(hosts, int(tasks_per_node))
+            return dict.fromkeys(hosts, _int_argument(tasks_per_node, "tasks_per_node", minimum=1))
         found = first_env(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
         if found is not None:
             name, text = found
@@ -210,7 +239,7 @@ class SlurmClusterResolver(ClusterResolver):
             return dict(zip(hosts, counts, strict=True))
         per_node = first_env(env, "SLURM_NTASKS_PER_NODE")
         if per_node is not None:
-            return dict.fromkeys(hosts, env_int_value(*per_node))
+            return dict.fromkeys(hosts, env_int(env, per_node[0], minimum=1))
         num_tasks = first_env(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
         if num_tasks is not None and env_int_value(*num_tasks) % len(hosts) == 0:
             return dict.fromkeys(hosts, env_int_value(*num_tasks) // len(hosts))

@@ -13,10 +13,11 @@ True
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 
-from torch_distribute.cluster.base import ClusterResolver
-from torch_distribute.cluster.cluster_spec import ClusterSpec
+from torch_distribute.cluster.base import ClusterResolver, ConfigFields
+from torch_distribute.cluster.cluster_spec import ClusterSpec, split_address
 from torch_distribute.cluster.env import env_int, environ_or_default
 from torch_distribute.errors import ClusterConfigError
 
@@ -25,6 +26,14 @@ __all__ = ["TorchrunClusterResolver"]
 
 def _format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class TorchrunClusterResolver(ClusterResolver):
@@ -40,7 +49,9 @@ class TorchrunClusterResolver(ClusterResolver):
     rendezvous address and the others are placeholders (``f"rank{i}"``), not addresses.
 
     Raises:
-        ClusterConfigError: a variable missing or not a valid number, naming it.
+        ClusterConfigError: a variable missing or not a valid number (``RANK`` outside
+            ``0..WORLD_SIZE-1``, ``MASTER_PORT`` outside 1..65535), or a ``MASTER_ADDR`` that
+            is not a host name or IP address, naming it.
 
     >>> env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     >>> r = TorchrunClusterResolver(environ=env)
@@ -70,11 +81,23 @@ class TorchrunClusterResolver(ClusterResolver):
                 f"LOCAL_RANK={self._local_rank} must be below "
                 f"LOCAL_WORLD_SIZE={self._local_world_size}"
             )
-        master_addr = env.get("MASTER_ADDR", "").strip()
+        raw_addr = env.get("MASTER_ADDR", "")
+        master_addr = raw_addr.strip()
         if not master_addr:
             raise ClusterConfigError(f"environment variable MASTER_ADDR is not set{self._HINT}")
-        self._master_addr = master_addr.strip("[]")
+        if master_addr.startswith("[") and master_addr.endswith("]"):
+            master_addr = master_addr[1:-1]
+        if ":" in master_addr and not _is_ipv6(master_addr):
+            raise ClusterConfigError(
+                f"MASTER_ADDR={raw_addr!r} is not a host name or IP address; it must not "
+                "include the port (set the port in MASTER_PORT) or a scheme such as 'tcp://'"
+            )
         self._master_port = env_int(env, "MASTER_PORT", minimum=1, maximum=65535, hint=self._HINT)
+        # The one check of an address (host and port), as for every other resolver.
+        self._master_addr, _ = split_address(
+            _format_host_port(master_addr, self._master_port),
+            what="MASTER_ADDR:MASTER_PORT",
+        )
 
     @classmethod
     def is_present(cls, environ: Mapping[str, str] | None = None) -> bool:
@@ -85,6 +108,12 @@ class TorchrunClusterResolver(ClusterResolver):
     def cluster_spec(self) -> ClusterSpec:
         first = _format_host_port(self._master_addr, self._master_port)
         return ClusterSpec({"worker": [first] + [f"rank{i}" for i in range(1, self._world_size)]})
+
+    def config_fields(self) -> ConfigFields:
+        """``RANK`` is this task's index; the cluster's entries past rank 0 are placeholders,
+        not addresses (``MASTER_ADDR``/``MASTER_PORT`` were checked when it was built)."""
+        return ConfigFields(cluster="torchrun's cluster", task_type="task_type",
+                            task_id="RANK", check_addresses=False)
 
     def _default_task_type(self) -> str | None:
         return "worker"

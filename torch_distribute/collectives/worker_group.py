@@ -325,6 +325,19 @@ class WorkerGroup:
         """Count one ``strategy.run``: gradient buckets carry it in their signature."""
         self.run_count += 1
 
+    def any_true(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` is true on any worker: one collective, the fingerprint included."""
+        self._collectives += 1
+        mine = torch.cat([fingerprint.encode("any_true", what, None, None), torch.tensor([int(flag)])])
+        if not self._verify:
+            self._wait(what, lambda: dist.all_reduce(mine[-1:], async_op=True))
+            return bool(mine[-1] > 0)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(what, lambda: dist.all_gather(everyone, mine, async_op=True))
+        if not all(torch.equal(theirs[:-1], mine[:-1]) for theirs in everyone):
+            self.raise_mismatch(what)
+        return any(bool(theirs[-1] > 0) for theirs in everyone)
+
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
                shape: Sequence[int] | None = None) -> None:
         """Check that every worker is about to make the same collective (when verifying).

@@ -11,8 +11,19 @@ Across workers (``InputOptions.auto_shard_policy``): DATA — every worker reads
 global batches and keeps its rows; FILE — a dataset with ``shard(num_shards, index)`` gives
 each worker its own files, whose batches are that worker's share; OFF — each worker's
 dataset is already its share (sharded by the user); AUTO — FILE when the dataset can shard
-itself, else DATA. Every step the workers agree whether any replica still has data, so they
-stop together when they run out at different steps.
+itself, else DATA.
+
+Workers with different amounts of data stop together, under every policy (TensorFlow's
+partial-batch handling, which multi-worker strategies always use): at every step the
+workers agree whether any of them still has data (``sync_has_data``, the strategy's
+``extended.any_worker_has_data``: one small collective). While any has, every
+worker runs the step, those without data on an *empty* batch (first dimension 0, the
+structure and dtypes of their earlier batches), which adds nothing to a summed loss or
+gradient; when none has, ``StopIteration`` ends the epoch on every worker at the same
+step. The agreement is never skipped across workers: even DATA sharding of a sized dataset
+cannot prove that every worker's dataset has the same length (each worker builds its own),
+and a worker that stopped alone would leave the others waiting in their next collective.
+With one worker ``any_worker_has_data`` is the local answer and costs nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +45,12 @@ from torch_distribute.input.batching import (
 )
 from torch_distribute.input.input_context import AutoShardPolicy, InputOptions
 from torch_distribute.values import regroup
+
+_NO_DATA_AT_ALL = (
+    "This worker's dataset produced no batch at all while other workers still have data, so "
+    "it cannot make an empty batch of the right structure to take part in their steps. Give "
+    "every worker at least one batch."
+)
 
 
 def _refuse_in_replica_context() -> None:
@@ -128,12 +145,10 @@ class DistributedDataset(_DistributedIterable):
         self._policy = self._resolve_policy(dataset)
         if self._policy is AutoShardPolicy.FILE:
             dataset = dataset.shard(num_workers, worker_index)  # type: ignore[attr-defined]
+        # Every step the workers agree whether any still has data (see the module's
+        # docstring): even with DATA sharding of a sized dataset the lengths may differ, as
+        # each worker builds its own dataset.
         self._dataset = dataset
-        # With DATA sharding of a sized dataset every worker reads the same batches, so all
-        # run out at the same step: no need to agree on it with a collective every step.
-        same_length_everywhere = self._policy is AutoShardPolicy.DATA and hasattr(dataset, "__len__")
-        if same_length_everywhere:
-            self._sync_has_data = lambda has_data: has_data
 
     def _resolve_policy(self, dataset: Any) -> AutoShardPolicy:
         policy = self._options.auto_shard_policy
@@ -173,7 +188,7 @@ class DistributedDataset(_DistributedIterable):
                 raise StopIteration
             if not has_data:
                 if not template:
-                    raise DatasetError("This worker received no data at all while others did.")
+                    raise DatasetError(_NO_DATA_AT_ALL)
                 local, sizes = empty_like_batch(template[0]), [0] * self.num_local_replicas
             if not template:
                 template.append(empty_like_batch(local))
@@ -236,7 +251,7 @@ class DatasetFromFunction(_DistributedIterable):
             if elements and not template:
                 template.append(empty_like_batch(elements[0]))
             if not template:
-                raise DatasetError("This worker received no data at all while others did.")
+                raise DatasetError(_NO_DATA_AT_ALL)
             while len(elements) < self.num_local_replicas:
                 elements.append(template[0])
             return self._place(elements)

@@ -21,6 +21,7 @@ from typing import IO
 
 from torch_distribute.cluster.launch_spec import free_ports
 from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
+from torch_distribute.errors import InvalidArgumentError
 
 __all__ = ["cluster_config", "main", "run_local_cluster"]
 
@@ -29,7 +30,14 @@ GRACE_PERIOD_S = 5.0
 
 
 def cluster_config(num_workers: int, num_ps: int) -> dict[str, list[str]]:
-    """A loopback cluster: ``{"chief": [...], "worker": [...], "ps": [...]}`` on free ports."""
+    """A loopback cluster: ``{"chief": [...], "worker": [...], "ps": [...]}`` on free ports.
+
+    Raises:
+        InvalidArgumentError: fewer than one worker or one parameter server.
+    """
+    for name, value in (("--workers", num_workers), ("--ps", num_ps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
     ports = free_ports(1 + num_workers + num_ps)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     return {"chief": addresses[:1], "worker": addresses[1:1 + num_workers], "ps": addresses[1 + num_workers:]}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 from torch.distributed.rpc import api, backend_registry
 
-__all__ = ["CHIEF", "Membership", "join", "leave", "ping", "task_key"]
+__all__ = ["CHIEF", "Membership", "join", "leave", "ping", "probe", "task_key"]
 
 CHIEF = "chief:0"
 _BACKEND = "TD_TENSORPIPE"
@@ -145,10 +145,24 @@ def _pong() -> bool:
 
 def ping(name: str, timeout: float) -> bool:
     """Whether ``name`` answers an RPC within ``timeout`` seconds."""
+    return probe(name, timeout) is None
+
+
+def probe(name: str, timeout: float) -> str | None:
+    """``None`` when ``name`` answers an RPC within ``timeout`` seconds; otherwise why not,
+    as a short phrase: ``"closed the connection"`` (its process is gone: the connection was
+    refused, reset or closed) or ``"stopped answering"`` (no answer in time), with the
+    first line of the error."""
     try:
-        return bool(rpc.rpc_async(name, _pong, timeout=timeout).wait())
-    except Exception:
-        return False
+        answered = rpc.rpc_async(name, _pong, timeout=timeout).wait()
+    except Exception as error:  # noqa: BLE001 - every failure is a reason
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        detail = detail.split(" (this error originated at")[0][:200]  # TensorPipe's source line
+        lowered = detail.lower()
+        if "timed out" in lowered or "timeout" in lowered:
+            return f"stopped answering ({detail})"
+        return f"closed the connection ({detail})"
+    return None if answered else "stopped answering (no answer)"
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:

@@ -65,7 +65,13 @@ from torch_distribute.input import (
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies import interception
 from torch_distribute.strategies.extended import StrategyExtended
-from torch_distribute.values import DistributedValues, Mirrored, PerReplica
+from torch_distribute.values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    check_reducible,
+    check_same_layout,
+)
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -162,13 +168,44 @@ class Strategy:
         (the sum divided by the total count, so uneven replica batches weigh correctly).
         The result is detached: it is for reporting (``total += strategy.reduce(...)`` must
         not keep every step's graph alive); use ``ReplicaContext.all_reduce`` to differentiate.
+
+        Raises:
+            InvalidArgumentError: a leaf that is not a tensor (or Python number), or
+                replicas whose values differ in dtype or shape (outside ``axis``), naming the
+                replicas with their shapes and dtypes; checked before anything is combined.
+            InvalidAxisError: ``axis`` out of range.
         """
         context.require_cross_replica("reduce")
         op = ReduceOp.from_value(reduce_op)
         value = _detached(value)
         if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)):
             raise InvalidAxisError(f"reduce axis must be an int or None, got {axis!r}.")
+        # Every leaf is checked before the first one is combined: a bad leaf must not leave
+        # the workers with different collectives done.
+        check_reducible(value, "strategy.reduce")
+        for leaf in nest.leaves(value):
+            self._check_components("strategy.reduce", leaf, axis)
         return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
+
+    def _check_components(self, what: str, leaf: Any, axis: int | None, *, gather: bool = False) -> None:
+        """Axis in range and the replicas' components alike (shapes and dtypes, no data)."""
+        if isinstance(leaf, DistributedValues):
+            components = [torch.as_tensor(v) for v in leaf.values]
+        else:
+            components = [torch.as_tensor(leaf)]
+        if gather:
+            components = [c.unsqueeze(0) if c.dim() == 0 else c for c in components]
+        if axis is not None:
+            for c in components:
+                if c.dim() == 0:
+                    raise InvalidAxisError(f"reduce axis {axis} is out of range for a scalar value; use axis=None.")
+                if not -c.dim() <= axis < c.dim():
+                    kind = "gather" if gather else "reduce"
+                    raise InvalidAxisError(
+                        f"{kind} axis {axis} is out of range for a per-replica value of shape "
+                        f"{tuple(c.shape)} (valid: {-c.dim()} .. {c.dim() - 1})."
+                    )
+        check_same_layout(components, what, axis=axis, first_replica=self._extended.replica_id_offset)
 
     def _reduce_one(self, op: ReduceOp, value: Any, axis: int | None) -> torch.Tensor:
         extended = self._extended
@@ -182,20 +219,8 @@ class Strategy:
             replicate = 1
         numerators, counts = [], []
         for c in components:
-            if c.dim() == 0:
-                raise InvalidAxisError(f"reduce axis {axis} is out of range for a scalar value; use axis=None.")
-            if not -c.dim() <= axis < c.dim():
-                raise InvalidAxisError(
-                    f"reduce axis {axis} is out of range for a per-replica value of shape "
-                    f"{tuple(c.shape)} (valid: {-c.dim()} .. {c.dim() - 1})."
-                )
             numerators.append(c.sum(dim=axis).to(extended.primary_device))
             counts.append(c.shape[axis])
-        if len({tuple(n.shape) for n in numerators}) > 1:
-            raise InvalidArgumentError(
-                "Per-replica values differ in shape outside the reduced axis: "
-                f"{[tuple(c.shape) for c in components]}."
-            )
         numerator = extended.reduce_across_workers(torch.stack(numerators).sum(0) * replicate)
         if op is ReduceOp.SUM:
             return numerator
@@ -205,20 +230,25 @@ class Strategy:
         return numerator / count
 
     def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate per-replica values along ``axis`` in replica order (cross-replica)."""
+        """Concatenate per-replica values along ``axis`` in replica order (cross-replica).
+
+        Raises:
+            InvalidArgumentError: a leaf that is not a tensor (or Python number), or
+                replicas whose values differ in dtype or in shape outside ``axis``, naming
+                the replicas with their shapes and dtypes; checked before anything moves.
+            InvalidAxisError: ``axis`` out of range.
+        """
         context.require_cross_replica("gather")
         value = _detached(value)
         if not isinstance(axis, int) or isinstance(axis, bool):
             raise InvalidAxisError(f"gather axis must be an int, got {axis!r}.")
+        check_reducible(value, "strategy.gather")
+        for leaf in nest.leaves(value):
+            self._check_components("strategy.gather", leaf, axis, gather=True)
         extended = self._extended
 
         def gather_one(v: Any) -> torch.Tensor:
             components = [c.unsqueeze(0) if c.dim() == 0 else c for c in extended.local_components(v)]
-            for c in components:
-                if not -c.dim() <= axis < c.dim():
-                    raise InvalidAxisError(
-                        f"gather axis {axis} is out of range for a per-replica value of shape {tuple(c.shape)}."
-                    )
             return extended.gather_across_workers(
                 torch.cat([c.to(extended.primary_device) for c in components], dim=axis), axis
             )

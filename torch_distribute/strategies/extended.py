@@ -25,7 +25,14 @@ from torch_distribute.collectives.arithmetic import divide
 from torch_distribute.devices import LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.reduce_op import ReduceOp
-from torch_distribute.values import DistributedValues, Mirrored, PerReplica, select_replica
+from torch_distribute.values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    check_reducible,
+    check_same_layout,
+    select_replica,
+)
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
@@ -253,8 +260,11 @@ class StrategyExtended:
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Iterable[tuple[Any, Any]]) -> list[torch.Tensor]:
         """``reduce_to`` for several (value, destination) pairs."""
         op = ReduceOp.from_value(reduce_op)
+        pairs = list(value_destination_pairs)
+        for value, _ in pairs:  # every value, before any collective: workers stay in step
+            check_reducible(value, "extended.reduce_to")
         out = []
-        for value, destination in list(value_destination_pairs):
+        for value, destination in pairs:
             device = self._device_of(destination)
             if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
                 out.append(torch.as_tensor(value.values[0]).to(device))
@@ -273,6 +283,7 @@ class StrategyExtended:
                         "PerReplica value returned by strategy.run(), or use ReduceOp.MEAN."
                     )
             components = self.local_components(value)
+            check_same_layout(components, "extended.reduce_to")
             if len(components) == 1:  # nothing to combine locally
                 total = components[0].to(device, copy=True)
             else:

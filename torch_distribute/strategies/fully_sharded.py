@@ -303,8 +303,7 @@ class FullyShardedExtended(StrategyExtended):
     def any_worker_has_data(self, local_has_data: bool) -> bool:
         if self._num_workers == 1:
             return local_has_data
-        flag = torch.tensor([1 if local_has_data else 0], dtype=torch.int64)
-        return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
+        return self._group.any_true(local_has_data, what="input agreement (does any worker still have data?)")
 
     def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
         return self._group.all_gather_objects(obj, what=what)

@@ -116,8 +116,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
     def any_worker_has_data(self, local_has_data: bool) -> bool:
         if self._group is None:
             return local_has_data
-        flag = torch.tensor([1 if local_has_data else 0], dtype=torch.int64)
-        return bool(self._group.all_reduce_(flag, what="input agreement (does any worker still have data?)")[0] > 0)
+        return self._group.any_true(local_has_data, what="input agreement (does any worker still have data?)")
 
     def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
         if self._group is None:
