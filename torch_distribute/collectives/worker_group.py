@@ -49,6 +49,16 @@ _GPUS_PREFIX = "td/gpus/"
 _FINISHED = "finished"  # the value under _LEFT_PREFIX of a worker whose program ended normally
 
 
+class Agreement(NamedTuple):
+    """A fingerprint exchange in flight (``WorkerGroup.start_agreement``)."""
+
+    work: Any
+    mine: torch.Tensor
+    everyone: list[torch.Tensor]
+    what: str
+    description: str
+
+
 class MissingWorkers(NamedTuple):
     """Who is gone: ranks that exited (``finished`` those whose program ended without an
     error) and ranks whose heartbeat stopped."""
@@ -339,23 +349,41 @@ class WorkerGroup:
         return any(bool(theirs[-1] > 0) for theirs in everyone)
 
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
-               shape: Sequence[int] | None = None) -> None:
+              shape: Sequence[int] | None = None) -> None:
         """Check that every worker is about to make the same collective (when verifying).
 
         ``kind`` and ``what`` say what it is, ``tensor`` (with ``shape`` instead of its own
         where a dimension may differ) what it carries; a difference raises
         ``ReplicaMismatchError`` on every worker.
         """
+        agreement = self.start_agreement(kind, what, tensor, shape)
+        if agreement is not None:
+            self.finish_agreement(agreement)
+
+    def start_agreement(self, kind: str, what: str, tensor: torch.Tensor | None = None,
+                        shape: Sequence[int] | None = None) -> Agreement | None:
+        """``agree`` in two halves: start the exchange now (it then overlaps whatever runs
+        until ``finish_agreement``, which must come before the collective it vouches for).
+        None when not verifying."""
         self._collectives += 1
         if not self._verify:
-            return
+            return None
         dtype = tensor.dtype if tensor is not None else None
         compared = tuple(shape if shape is not None else tensor.shape) if tensor is not None else None
         mine = fingerprint.encode(kind, what, dtype, compared)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._wait(what, lambda: dist.all_gather(everyone, mine, async_op=True))
-        if not all(torch.equal(theirs, mine) for theirs in everyone):
-            self.raise_mismatch(fingerprint.describe(what, dtype, tensor.shape if tensor is not None else None))
+        try:
+            work = dist.all_gather(everyone, mine, async_op=True)
+        except Exception as error:  # noqa: BLE001 - translated with the missing worker's name
+            raise self.describe_failure(what, error) from error
+        description = fingerprint.describe(what, dtype, tensor.shape if tensor is not None else None)
+        return Agreement(work, mine, everyone, what, description)
+
+    def finish_agreement(self, agreement: Agreement) -> None:
+        """Wait for an exchange ``start_agreement`` began; raise if the workers differ."""
+        self.wait(agreement.what, agreement.work)
+        if not all(torch.equal(theirs, agreement.mine) for theirs in agreement.everyone):
+            self.raise_mismatch(agreement.description)
 
     def raise_mismatch(self, description: str) -> NoReturn:
         """Every worker found a mismatch in the same collective: exchange what each called and

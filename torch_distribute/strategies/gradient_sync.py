@@ -33,7 +33,7 @@ import torch
 
 from torch_distribute.collectives import fingerprint
 from torch_distribute.collectives.packing import unpack
-from torch_distribute.collectives.worker_group import WorkerGroup
+from torch_distribute.collectives.worker_group import Agreement, WorkerGroup
 from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
 
 
@@ -73,6 +73,17 @@ class GradientSynchronizer:
         self._next = 0
         self._works: list[Any] = []
         self._dirty = False
+        self._agreement: Agreement | None = None
+
+    def _start_agreement(self) -> None:
+        """Start comparing this step with the other workers' (overlapping the backward).
+
+        On the main group: a worker making another collective instead (a reduce, a save),
+        or another step, is named at once, before any bucket of another step is summed.
+        """
+        self._agreement = self._group.start_agreement(
+            "optimizer step", f"optimizer step {self._steps + 1} in strategy.run "
+                              f"#{self._group.run_count} (gradient all-reduce)")
 
     # -- hooks -----------------------------------------------------------------------------
     def attach_hooks(self) -> None:
@@ -102,6 +113,8 @@ class GradientSynchronizer:
                 self._launch_in_order()
 
     def _launch_in_order(self) -> None:
+        if self._next == 0 and self._agreement is None and self._pending[0] == 0:
+            self._start_agreement()
         while self._next < len(self._buckets) and self._pending[self._next] == 0:
             self._launch(self._next)
             self._next += 1
@@ -132,10 +145,17 @@ class GradientSynchronizer:
     # -- the optimizer step ------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for every bucket and leave the global sums in copy 0's gradients."""
-        # On the main group: a worker making another collective instead (a reduce, a save),
-        # or another step, is named at once, before any bucket of another step is summed.
-        self._group.agree("optimizer step", f"optimizer step {self._steps + 1} in strategy.run "
-                                            f"#{self._group.run_count} (gradient all-reduce)")
+        with self._lock:
+            if self._agreement is not None and self._dirty:
+                # Started by a backward before the last one (gradient accumulation, or a
+                # skipped step): settle it, then compare this step afresh.
+                self._group.finish_agreement(self._agreement)
+                self._agreement = None
+            if self._agreement is None:
+                self._start_agreement()
+            agreement = self._agreement
+        if agreement is not None:
+            self._group.finish_agreement(agreement)
         with self._lock:
             if self._dirty:
                 for work in self._works:
