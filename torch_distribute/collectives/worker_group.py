@@ -337,16 +337,31 @@ class WorkerGroup:
 
     def any_true(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is true on any worker: one collective, the fingerprint included."""
-        self._collectives += 1
-        mine = torch.cat([fingerprint.encode("any_true", what, None, None), torch.tensor([int(flag)])])
+        mine = torch.tensor([int(flag)])
         if not self._verify:
-            self._wait(what, lambda: dist.all_reduce(mine[-1:], async_op=True))
-            return bool(mine[-1] > 0)
+            self._collectives += 1
+            self._wait(what, lambda: dist.all_reduce(mine, async_op=True))
+            return bool(mine[0] > 0)
+        return any(bool(theirs[0] > 0) for theirs in self._exchange("any_true", what, None, None, mine))
+
+    def _exchange(self, kind: str, what: str, tensor: torch.Tensor | None, shape: Sequence[int] | None,
+                  extra: torch.Tensor) -> list[torch.Tensor]:
+        """One all-gather of this collective's fingerprint followed by ``extra`` (int64, at most
+        ``_SMALL`` elements); every worker's ``extra`` (padded with zeros), or
+        ``ReplicaMismatchError``. Every exchange has the same size, whatever it carries, so two
+        workers in different exchanges never make Gloo abort on a size mismatch."""
+        self._collectives += 1
+        dtype = tensor.dtype if tensor is not None else None
+        compared = tuple(shape if shape is not None else tensor.shape) if tensor is not None else None
+        head = fingerprint.encode(kind, what, dtype, compared)
+        mine = torch.zeros(len(head) + _SMALL, dtype=torch.int64)
+        mine[:len(head)] = head
+        mine[len(head):len(head) + len(extra)] = extra
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._wait(what, lambda: dist.all_gather(everyone, mine, async_op=True))
-        if not all(torch.equal(theirs[:-1], mine[:-1]) for theirs in everyone):
-            self.raise_mismatch(what)
-        return any(bool(theirs[-1] > 0) for theirs in everyone)
+        if not all(torch.equal(theirs[:len(head)], head) for theirs in everyone):
+            self.raise_mismatch(fingerprint.describe(what, dtype, tensor.shape if tensor is not None else None))
+        return [theirs[len(head):] for theirs in everyone]
 
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
               shape: Sequence[int] | None = None) -> None:
@@ -370,7 +385,7 @@ class WorkerGroup:
             return None
         dtype = tensor.dtype if tensor is not None else None
         compared = tuple(shape if shape is not None else tensor.shape) if tensor is not None else None
-        mine = fingerprint.encode(kind, what, dtype, compared)
+        mine = torch.cat([fingerprint.encode(kind, what, dtype, compared), torch.zeros(_SMALL, dtype=torch.int64)])
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             work = dist.all_gather(everyone, mine, async_op=True)
@@ -417,7 +432,18 @@ class WorkerGroup:
         self._wait(what, lambda: work)
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
-        """In-place SUM (or ``op``) over workers of a tensor on a backend-compatible device."""
+        """In-place SUM (or ``op``) over workers of a tensor on a backend-compatible device.
+
+        A small tensor (a loss, a metric's totals) travels inside its fingerprint's exchange
+        and is combined here, in rank order: one collective instead of two.
+        """
+        combine = _COMBINE.get(op)
+        if self._verify and combine is not None and tensor.numel() <= _SMALL and _fits_int64(tensor.dtype):
+            values = self._exchange(f"all_reduce {op}", what, tensor, None, _to_int64_bits(tensor))
+            total = _from_int64_bits(values[0], tensor)
+            for value in values[1:]:
+                total = combine(total, _from_int64_bits(value, tensor))
+            return tensor.copy_(total)
         self.agree(f"all_reduce {op}", what, tensor)
         target = self._comm_tensor(tensor)
         self._wait(what, lambda: dist.all_reduce(target, op=op, async_op=True))
@@ -443,11 +469,14 @@ class WorkerGroup:
     def all_gather_along(self, tensor: torch.Tensor, axis: int, what: str = "gather") -> torch.Tensor:
         """Concatenate ``tensor`` from every worker along ``axis`` (sizes may differ)."""
         off_axis = [-1 if d == axis else n for d, n in enumerate(tensor.shape)]
-        self.agree(f"all_gather along {axis}", what, tensor, shape=off_axis)
         sizes = torch.tensor([tensor.shape[axis]], dtype=torch.int64)
-        all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
-        self._wait(what, lambda: dist.all_gather(all_sizes, sizes, async_op=True))
-        counts = [int(s) for s in all_sizes]
+        if self._verify:  # the sizes travel with the fingerprint
+            all_sizes = self._exchange(f"all_gather along {axis}", what, tensor, off_axis, sizes)
+        else:
+            self._collectives += 1
+            all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
+            self._wait(what, lambda: dist.all_gather(all_sizes, sizes, async_op=True))
+        counts = [int(s[0]) for s in all_sizes]
         longest = max(counts)
         padded = tensor
         if tensor.shape[axis] < longest:
@@ -490,6 +519,36 @@ class WorkerGroup:
         self._heartbeat_client = None
         self.store = None
         gc.collect()
+
+
+_SMALL = 8  # elements: a reduction this small rides in its fingerprint's exchange
+_COMBINE: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.PRODUCT: torch.mul,
+    dist.ReduceOp.MAX: torch.maximum,
+    dist.ReduceOp.MIN: torch.minimum,
+}
+
+
+def _fits_int64(dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` survives a trip through float64 or int64 bits."""
+    return not dtype.is_complex and dtype not in (torch.uint64,)
+
+
+def _to_int64_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as ``_SMALL`` int64s: float64 bit patterns for floating dtypes."""
+    flat = tensor.detach().reshape(-1).cpu()
+    out = torch.zeros(_SMALL, dtype=torch.int64)
+    if tensor.is_floating_point():
+        out.view(torch.float64)[: flat.numel()] = flat.to(torch.float64)
+    else:
+        out[: flat.numel()] = flat.to(torch.int64)
+    return out
+
+
+def _from_int64_bits(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    values = bits.view(torch.float64) if like.is_floating_point() else bits
+    return values[: like.numel()].to(like.dtype).reshape(like.shape).to(like.device)
 
 
 def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:
