@@ -64,6 +64,7 @@ __all__ = [
     "directory_of",
     "file_fingerprint",
     "is_sharded_checkpoint",
+    "looks_sharded",
     "load_payload",
     "read_checksum",
     "remove_checkpoint",
@@ -121,9 +122,18 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, LAYOUT_FILENAME)) and os.path.isfile(os.path.join(path, DCP_METADATA))
 
 
+def looks_sharded(path: str) -> bool:
+    """Whether ``path`` is a directory holding any part of a sharded checkpoint (complete or not)."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return LAYOUT_FILENAME in names or DCP_METADATA in names or any(n.endswith(".distcp") for n in names)
+
+
 def checkpoint_exists(path: str) -> bool:
-    """Whether ``path`` is a checkpoint: a file, or a sharded checkpoint directory."""
-    return os.path.isfile(path) or is_sharded_checkpoint(path)
+    """Whether ``path`` is a checkpoint: a file, or a sharded checkpoint directory (an
+    incomplete one too: it is damaged, and a manager falls back past it with a warning)."""
+    return os.path.isfile(path) or looks_sharded(path)
 
 
 def remove_checkpoint(path: str) -> None:
@@ -362,8 +372,8 @@ def check_file(path: str, full: bool = True) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise _damaged(path, f"its zip directory is unreadable ({exc})") from exc
+    except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on damaged bytes
+        raise _damaged(path, f"its zip directory is unreadable ({type(exc).__name__}: {exc})") from exc
     if not any(name.endswith("/data.pkl") or name == "data.pkl" for name in names):
         raise _damaged(path, "wrong format: the archive has no data.pkl record", foreign=True)
     if full and digest is not None and _hash_file(path, size - _CHECKSUM_LEN) != digest:
@@ -394,7 +404,8 @@ def load_payload(path: str) -> dict[str, Any]:
 def check_payload(path: str, payload: Any) -> dict[str, Any]:
     """``payload`` if it is a torch-distribute checkpoint this version reads, else ``CheckpointError``."""
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(
+        # Damage as far as a checkpoint directory goes: a manager falls back past it.
+        raise CorruptCheckpointError(
             f"File {path!r} is not a torch-distribute checkpoint (no format tag "
             f"{FORMAT!r}); write it with td.Checkpoint(...).save() or .write()."
         )
@@ -404,5 +415,5 @@ def check_payload(path: str, payload: Any) -> dict[str, Any]:
             f"torch-distribute reads version {VERSION} and earlier. Upgrade torch-distribute."
         )
     if not isinstance(payload.get("objects"), dict):
-        raise CheckpointError(f"Checkpoint {path!r} is corrupt: it has no 'objects' dict.")
+        raise CorruptCheckpointError(f"Checkpoint {path!r} is corrupt: it has no 'objects' dict.")
     return payload

@@ -20,12 +20,15 @@ import warnings
 from typing import Any
 
 from torch_distribute.checkpoint.file_io import (
+    DCP_METADATA,
+    LAYOUT_FILENAME,
     CorruptCheckpointError,
     atomic_write,
     check_file,
     checkpoint_exists,
     directory_of,
     is_sharded_checkpoint,
+    looks_sharded,
 )
 from torch_distribute.checkpoint.sharded_io import check_sharded
 from torch_distribute.errors import CheckpointError
@@ -185,6 +188,11 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
 def missing_path_error(path: str) -> CheckpointError:
     """The error for a checkpoint ``path`` that is no file, naming the checkpoints there are."""
     directory = directory_of(path)
+    if looks_sharded(path) and not is_sharded_checkpoint(path):
+        return CorruptCheckpointError(
+            f"Sharded checkpoint {path!r} is incomplete ({LAYOUT_FILENAME} or "
+            f"{DCP_METADATA} is missing: a save that did not finish, or files lost). Restore an "
+            f"earlier one, e.g. td.latest_checkpoint({directory_of(path)!r}).")
     if os.path.isdir(path) and not is_sharded_checkpoint(path):
         return CheckpointError(
             f"Checkpoint path {path!r} is a directory; pass a checkpoint file, e.g. "

@@ -273,6 +273,11 @@ def check_sharded(path: str, full: bool = False) -> None:
     Checks ``layout.pt`` fully (it is small) and that every recorded file has its size;
     ``full=True`` also hashes every file.
     """
+    missing = [name for name in (LAYOUT_FILENAME, DCP_METADATA) if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise CorruptCheckpointError(
+            f"Sharded checkpoint {path!r} is incomplete: {' and '.join(missing)} missing (a save "
+            "that did not finish, or files lost). Restore an earlier checkpoint.")
     try:
         _, checksums = _load_layout(path)
     except CheckpointError:

@@ -99,19 +99,6 @@ class WorkerGroup:
         self._store_threads: list[threading.Thread] = []
         self._collectives = 0  # collectives on the default group, fingerprinted or not
         self.run_count = 0  # strategy.run calls (begin_run): part of the gradient buckets' signature
-        _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
-        self.store = self._rendezvous()
-        backend = _backend(options.implementation, bool(gpus), self._gpus_shared_with_others(gpus))
-        self.uses_nccl = "nccl" in backend
-        if dist.is_initialized():
-            raise WorkerUnavailableError(
-                "torch.distributed is already initialized in this process; create the "
-                "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
-            )
-        _choose_gloo_interface(backend, host)
-        dist.init_process_group(backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout)
-        # Gradients travel on their own group so they never interleave with other collectives.
-        self.gradient_group = dist.new_group(backend=backend, timeout=self._timeout)
         self._heartbeat_interval = max(0.5, min(5.0, options.timeout / 6))
         # How long the store may take to answer a probe before the chief counts as unreachable
         # (its server is a C++ thread: it answers at once unless the chief is stopped or cut off).
@@ -119,8 +106,60 @@ class WorkerGroup:
         self._heartbeat_stop = threading.Event()
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
+        _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
+        if dist.is_initialized():
+            raise WorkerUnavailableError(
+                "torch.distributed is already initialized in this process; create the "
+                "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
+            )
+        self.store = self._rendezvous()
+        # Heartbeats from here on: a worker that dies during the rest of the start-up is named.
         self._heartbeat.start()
+        try:
+            shared = self._start_up_step("start-up: the GPU check", lambda: self._gpus_shared_with_others(gpus))
+            backend = _backend(options.implementation, bool(gpus), shared)
+            self.uses_nccl = "nccl" in backend
+            _choose_gloo_interface(backend, host)
+            self._start_up_step("start-up: init_process_group", lambda: dist.init_process_group(
+                backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout))
+            # Gradients travel on their own group so they never interleave with other collectives.
+            self.gradient_group = self._start_up_step(
+                "start-up: the gradient group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
+        except BaseException:
+            self._heartbeat_stop.set()
+            raise
         atexit.register(self._at_exit)
+
+    def _start_up_step(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()``, given ``timeout_seconds`` plus a heartbeat interval: a chief that stops
+        during the start-up leaves torch's store clients blocked in ``recv`` with no deadline.
+        Its errors, and running out of time, are reported naming the missing worker."""
+        try:
+            return self._within(call, self.options.timeout + self._store_deadline)
+        except TimeoutError as error:
+            raise self.describe_failure(what, None) from error
+        except WorkerUnavailableError:
+            raise
+        except Exception as error:  # noqa: BLE001 - translated with the missing worker's name
+            raise self.describe_failure(what, error) from error
+
+    def _within(self, call: Callable[[], Any], seconds: float) -> Any:
+        """``call()`` in a store thread; its result or its exception, or ``TimeoutError``."""
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, call()))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, error))
+
+        self._in_store_thread(run).join(seconds)
+        if not outcome:
+            raise TimeoutError(f"no answer within {seconds:.1f} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def _rendezvous(self) -> dist.TCPStore:
         """Meet at the chief's TCPStore; name the workers that did not turn up in time."""
@@ -134,9 +173,11 @@ class WorkerGroup:
                 self.port = store.port  # port 0 (a single local worker) picks a free one
             else:
                 # The client retries once after a random back-off as long as its timeout: give
-                # each attempt half, so the whole wait stays within timeout_seconds.
-                store = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=timeout / 2))
+                # each attempt half, so the whole wait stays within timeout_seconds. A chief
+                # stopped after making its store accepts the connection and never answers.
+                store = self._within(lambda: dist.TCPStore(
+                    self.host, self.port, self.world_size, is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout / 2)), timeout + self._store_deadline)
                 store.set_timeout(self._timeout)
         except Exception as error:  # noqa: BLE001 - rewrapped with what to check
             raise WorkerUnavailableError(
@@ -145,9 +186,15 @@ class WorkerGroup:
                 "worker was started with the same cluster configuration."
             ) from error
         joined = [f"{_JOINED_PREFIX}{r}" for r in range(self.world_size)]
-        store.set(joined[self.rank], "1")
         try:
-            store.wait(joined, self._timeout)
+            self._within(lambda: (store.set(joined[self.rank], "1"), store.wait(joined, self._timeout)),
+                         timeout + self._store_deadline)
+        except TimeoutError as error:
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} reached the chief's store at {self.host}:{self.port}, but it "
+                f"stopped answering (no reply within {timeout + self._store_deadline:.0f} s): worker 0 "
+                "(the chief) is stopped or cut off. Restart the job."
+            ) from error
         except Exception as error:  # noqa: BLE001 - rewrapped with the missing ranks
             missing = [r for r, key in enumerate(joined) if not store.check([key])]
             raise WorkerUnavailableError(
