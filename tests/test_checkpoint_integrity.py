@@ -367,8 +367,8 @@ def test_a_crashed_write_leaves_a_temporary_the_next_save_removes(tmp_path):
     assert done.returncode == 9
     left = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert len(left) == 1 and left[0].startswith(".ckpt-1.td-")
-    old = time.time() - 60
-    os.utime(tmp_path / left[0], (old, old))  # it was written before this process started
+    old = time.time() - 24 * 3600  # written before this (long-running) test process started
+    os.utime(tmp_path / left[0], (old, old))
     path = td.Checkpoint(step=torch.zeros(())).save(tmp_path / "ckpt")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"] and path == str(tmp_path / "ckpt-1")
 

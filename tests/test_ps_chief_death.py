@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from proc_helpers import clean_env, processes
@@ -56,7 +55,7 @@ if sys.argv[1] == "hang":
 """
 
 
-def _start(procs, tmp_path: Path, chief_mode: str) -> tuple[dict, list]:
+def _start(procs, chief_mode: str) -> tuple[dict, list]:
     cluster = cluster_config(1, 1)
     tasks = []
     for job, index in (("chief", 0), ("ps", 0), ("worker", 0)):
@@ -66,43 +65,53 @@ def _start(procs, tmp_path: Path, chief_mode: str) -> tuple[dict, list]:
     return cluster, tasks
 
 
-def _wait_for(procs, proc, text: str, limit: float) -> None:
-    end = time.monotonic() + limit
-    while text not in procs.output(proc):
-        assert proc.poll() is None, procs.output(proc)[-3000:]
-        assert time.monotonic() < end, procs.output(proc)[-3000:]
-        time.sleep(0.2)
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+    """The three clusters run at once (they mostly wait): the chief killed, the chief stopped,
+    the chief finishing normally. ``{name: {"cluster", "codes", "outputs"}}``."""
+    scenarios = {"killed": signal.SIGKILL, "frozen": signal.SIGSTOP, "finished": None}
+    with processes(tmp_path_factory.mktemp("ps_chief")) as procs:
+        started = {name: _start(procs, "return" if how is None else "hang")
+                   for name, how in scenarios.items()}
+        lost: dict[str, float] = {}
+        end = time.monotonic() + 100
+        while len(lost) < 2:  # signal each chief once it has trained
+            for name, how in scenarios.items():
+                chief = started[name][1][0]
+                if how is not None and name not in lost and "CHIEF TRAINED 3" in procs.output(chief):
+                    os.killpg(chief.pid, how)  # SIGSTOP: the process lives on, its connections stay open
+                    lost[name] = time.monotonic()
+            assert time.monotonic() < end, {n: procs.output(t[1][0])[-2000:] for n, t in started.items()}
+            time.sleep(0.2)
+        out = {}
+        for name, (cluster, tasks) in started.items():
+            waited = tasks if name == "finished" else tasks[1:]
+            limit = 120 if name == "finished" else CHIEF_TIMEOUT + 30
+            since = lost.get(name, time.monotonic())
+            codes = [procs.wait(p, limit - (time.monotonic() - since)) for p in waited]
+            out[name] = {"cluster": cluster, "codes": codes, "outputs": [procs.output(p) for p in waited]}
+        return out
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize(("how", "what"), [(signal.SIGKILL, "closed the connection"),
-                                           (signal.SIGSTOP, "stopped answering")],
-                         ids=["killed", "frozen"])
-def test_servers_exit_nonzero_naming_the_chief_when_it_dies(tmp_path, how, what):
-    with processes(tmp_path) as procs:
-        cluster, (chief, ps, worker) = _start(procs, tmp_path, "hang")
-        _wait_for(procs, chief, "CHIEF TRAINED 3", limit=100)
-        lost_at = time.monotonic()
-        os.killpg(chief.pid, how)  # SIGSTOP: the process lives on, its connections stay open
-        codes = [procs.wait(p, CHIEF_TIMEOUT + 30 - (time.monotonic() - lost_at)) for p in (ps, worker)]
-        outputs = [procs.output(p) for p in (ps, worker)]
-        assert codes == [EXIT_CHIEF_LOST, EXIT_CHIEF_LOST], (codes, outputs)
-        address = cluster["chief"][0]
-        for name, output in zip(("ps:0", "worker:0"), outputs, strict=True):
-            lines = [line for line in output.splitlines() if f"chief at {address}" in line]
-            assert len(lines) == 1, output[-3000:]
-            line = lines[0]
-            assert line.startswith(f"[{name}] the chief at {address} {what}"), line
-            assert f"exiting with status {EXIT_CHIEF_LOST}" in line, line
-            assert "Traceback" not in output, output[-3000:]
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("name", "what"), [("killed", "closed the connection"), ("frozen", "stopped answering")])
+def test_servers_exit_nonzero_naming_the_chief_when_it_dies(outcomes, name, what):
+    codes, outputs = outcomes[name]["codes"], outcomes[name]["outputs"]
+    assert codes == [EXIT_CHIEF_LOST, EXIT_CHIEF_LOST], (codes, outputs)
+    address = outcomes[name]["cluster"]["chief"][0]
+    for task, output in zip(("ps:0", "worker:0"), outputs, strict=True):
+        lines = [line for line in output.splitlines() if f"chief at {address}" in line]
+        assert len(lines) == 1, output[-3000:]
+        line = lines[0]
+        assert line.startswith(f"[{task}] the chief at {address} {what}"), line
+        assert f"exiting with status {EXIT_CHIEF_LOST}" in line, line
+        assert "Traceback" not in output, output[-3000:]
 
 
-@pytest.mark.timeout(150)
-def test_every_task_exits_zero_when_the_chief_finishes(tmp_path):
-    with processes(tmp_path) as procs:
-        _, tasks = _start(procs, tmp_path, "return")
-        codes = [procs.wait(p, 120) for p in tasks]
-        assert codes == [0, 0, 0], (codes, [procs.output(p)[-2000:] for p in tasks])
-        assert "CHIEF TRAINED 3" in procs.output(tasks[0])
-        for proc in tasks[1:]:
-            assert "chief at" not in procs.output(proc), procs.output(proc)[-2000:]
+@pytest.mark.timeout(200)
+def test_every_task_exits_zero_when_the_chief_finishes(outcomes):
+    codes, outputs = outcomes["finished"]["codes"], outcomes["finished"]["outputs"]
+    assert codes == [0, 0, 0], (codes, [o[-2000:] for o in outputs])
+    assert "CHIEF TRAINED 3" in outputs[0]
+    for output in outputs[1:]:
+        assert "chief at" not in output, output[-2000:]

@@ -267,8 +267,8 @@ class WorkerGroup:
         finalization, about 1 clean run in 20 aborted ("terminate called without an active
         exception"). Closing the group without releasing the stores still aborted 2 launches in
         32 of ``test_gradient_accumulation`` on a loaded 2-core machine. With the stores
-        released, 0 aborted in 90 launches. After
-        an uncaught exception the group is left alone: peers may still be inside a
+        released, 0 aborted in 90 launches. After an uncaught exception or a failed
+        collective the group is closed too, but with a deadline: peers may still be inside a
         collective, and tearing it down must not hold this process's exit.
         """
         if self._closed:
@@ -284,6 +284,14 @@ class WorkerGroup:
         self._join_store_threads()
         if not failed:
             self.close()
+            return
+        # Torn down now, while the interpreter is whole: gloo and store objects destroyed during
+        # its teardown can abort the process (SIGABRT instead of the exception's status 1).
+        # Bounded: a peer stuck in a collective must not hold this exit.
+        try:
+            self._within(self.close, 2 * self._store_deadline + 2.0)
+        except Exception:  # noqa: BLE001 - exiting anyway; the error was reported already
+            pass
 
     def missing_workers(self) -> MissingWorkers | None:
         """Who exited and whose heartbeat stopped; None if the store (the chief) does not answer.

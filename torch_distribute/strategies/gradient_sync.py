@@ -99,9 +99,11 @@ class GradientSynchronizer:
                 self._hooked[id(record)] = copies
                 for k, replica_copy in enumerate(record.copies):
                     self._handles.append(replica_copy.register_post_accumulate_grad_hook(
-                        lambda _t, b=b, slot=slot, k=k: self._on_grad(b, slot, k)))
+                        torch.compiler.disable(lambda _t, b=b, slot=slot, k=k: self._on_grad(b, slot, k))))
 
     def _on_grad(self, b: int, slot: int, k: int) -> None:
+        # Registered under torch.compiler.disable: under a compiled step dynamo would otherwise
+        # compile this hook (the bucket launch, the fingerprint exchange) into graphs of its own.
         with self._lock:
             ready = self._ready[b][slot]
             if k in ready:
