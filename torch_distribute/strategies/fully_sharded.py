@@ -35,6 +35,7 @@ from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize, gpu_identity
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 from torch_distribute.replica_context import ReplicaContext
+from torch_distribute.strategies.across_workers import AcrossWorkers
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.multi_worker_mirrored import default_worker_devices
@@ -77,7 +78,7 @@ def has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-class FullyShardedExtended(StrategyExtended):
+class FullyShardedExtended(AcrossWorkers, StrategyExtended):
     """The contract for FSDP2: one replica per process, state sharded over the mesh."""
 
     def __init__(
@@ -116,18 +117,6 @@ class FullyShardedExtended(StrategyExtended):
         self._sharding = False
 
     # -- topology --------------------------------------------------------------------------
-    @property
-    def num_workers_in_sync(self) -> int:
-        return self._num_workers
-
-    @property
-    def worker_index(self) -> int:
-        return self._worker_index
-
-    @property
-    def is_chief(self) -> bool:
-        return self._is_chief
-
     @property
     def worker_group(self) -> WorkerGroup:
         return self._group
@@ -289,25 +278,7 @@ class FullyShardedExtended(StrategyExtended):
             raise self._group.describe_failure(
                 "A fully sharded step (gather or reduce-scatter)", error, missing=missing) from error
 
-    # -- across workers -------------------------------------------------------------------------
-    def reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._num_workers == 1:
-            return tensor
-        return self._group.all_reduce_(tensor.detach().clone(), what="reduce")
-
-    def gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self._num_workers == 1:
-            return tensor
-        return self._group.all_gather_along(tensor.detach(), axis, what="gather")
-
-    def any_worker_has_data(self, local_has_data: bool) -> bool:
-        if self._num_workers == 1:
-            return local_has_data
-        return self._group.any_true(local_has_data, what="input agreement (does any worker still have data?)")
-
-    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
-        return self._group.all_gather_objects(obj, what=what)
-
+    # -- across workers (AcrossWorkers) --------------------------------------------------------
     @property
     def coordination_store(self) -> Any | None:
         return self._group.store

@@ -28,13 +28,14 @@ from torch_distribute.devices import (
 )
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
+from torch_distribute.strategies.across_workers import AcrossWorkers
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 
-class MultiWorkerMirroredExtended(MirroredExtended):
+class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
     def __init__(
         self,
         strategy: Strategy,
@@ -71,18 +72,6 @@ class MultiWorkerMirroredExtended(MirroredExtended):
 
     # -- topology --------------------------------------------------------------------------
     @property
-    def num_workers_in_sync(self) -> int:
-        return self._num_workers
-
-    @property
-    def worker_index(self) -> int:
-        return self._worker_index
-
-    @property
-    def is_chief(self) -> bool:
-        return self._is_chief
-
-    @property
     def worker_group(self) -> WorkerGroup | None:
         return self._group
 
@@ -102,27 +91,7 @@ class MultiWorkerMirroredExtended(MirroredExtended):
             synchronizer.attach_hooks()
         return result
 
-    # -- across workers -----------------------------------------------------------------------
-    def reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._group is None:
-            return tensor
-        return self._group.all_reduce_(tensor.detach().clone(), what="reduce")
-
-    def gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self._group is None:
-            return tensor
-        return self._group.all_gather_along(tensor.detach(), axis, what="gather")
-
-    def any_worker_has_data(self, local_has_data: bool) -> bool:
-        if self._group is None:
-            return local_has_data
-        return self._group.any_true(local_has_data, what="input agreement (does any worker still have data?)")
-
-    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
-        if self._group is None:
-            return [obj]
-        return self._group.all_gather_objects(obj, what=what)
-
+    # -- across workers (AcrossWorkers) -----------------------------------------------------
     @property
     def coordination_store(self) -> Any | None:
         return self._group.store if self._group is not None else None
