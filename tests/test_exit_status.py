@@ -72,3 +72,54 @@ def test_a_worker_of_a_stopped_chief_exits_with_status_1(tmp_path):
             assert "terminate called" not in text, text[-3000:]
         finally:
             os.kill(chief.pid, signal.SIGCONT)
+
+
+# The last atexit handler (registered before torch_distribute is imported) lists the threads
+# still running once the strategy has closed its process groups. torch._dynamo, imported after
+# the process group exists (as torch.compile or an optimizer does), imports
+# torch.distributed.nn.functional, whose default arguments would pin the default group.
+FINISHING_WORKER = """
+import atexit, os
+
+def native_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:
+            pass
+    print("THREADS AT EXIT", sorted(names), flush=True)
+
+atexit.register(native_threads)
+import torch
+import torch_distribute as td
+strategy = td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=30))
+import torch._dynamo  # noqa: F401
+with strategy.scope():
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def step(x):
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+strategy.run(step, args=(torch.ones(2, 4),))
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc")
+def test_no_process_group_outlives_a_finished_program(tmp_path):
+    ports = free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    with P.processes(tmp_path) as procs:
+        workers = [procs.spawn(["-c", FINISHING_WORKER], P.clean_env(TF_CONFIG=json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": rank}})), f"worker{rank}") for rank in range(2)]
+        for worker in workers:
+            code = procs.wait(worker, 90)
+            text = procs.output(worker)
+            assert code == 0 and "finished" in text, f"status {code}\n{text[-3000:]}"
+            threads = [line for line in text.splitlines() if line.startswith("THREADS AT EXIT")]
+            assert threads and "gloo" not in threads[0], text[-3000:]

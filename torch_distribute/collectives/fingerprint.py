@@ -23,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import os
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -47,21 +48,22 @@ def describe(what: str, dtype: torch.dtype | None, shape: Sequence[int] | None) 
     return f"{what} of {str(dtype).removeprefix('torch.')}[{dims}]"
 
 
-def encode(kind: str, what: str, dtype: torch.dtype | None, shape: Sequence[int] | None) -> tuple[int, int, int]:
-    """The fingerprint of one collective: ``HEAD`` ints (63 bits each), equal on workers
-    calling the same."""
+def encode(kind: str, what: str, dtype: torch.dtype | None, shape: Sequence[int] | None) -> bytes:
+    """The fingerprint of one collective: ``HEAD`` little-endian int64s (63 bits each), equal
+    on workers calling the same."""
     return _encode(kind, what, dtype, tuple(shape) if shape is not None else None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode(kind: str, what: str, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> tuple[int, int, int]:
-    return _digest(f"{kind}|{what}"), _digest(str(dtype)), _digest(repr(shape or ()))
+def _encode(kind: str, what: str, dtype: torch.dtype | None, shape: tuple[int, ...] | None) -> bytes:
+    return struct.pack("<3q", _digest(f"{kind}|{what}"), _digest(str(dtype)), _digest(repr(shape or ())))
 
 
-def signature(step: int, run: int) -> list[float]:
+@functools.lru_cache(maxsize=8)  # asked for by every bucket of a step
+def signature(step: int, run: int) -> tuple[float, ...]:
     """The ±1 signs a gradient bucket carries for optimizer step ``step`` in run ``run``."""
     bits = _digest(f"gradients|{step}|{run}")
-    return [1.0 if bits >> i & 1 else -1.0 for i in range(SIGNATURE_LENGTH)]
+    return tuple(1.0 if bits >> i & 1 else -1.0 for i in range(SIGNATURE_LENGTH))
 
 
 def call_site() -> str:

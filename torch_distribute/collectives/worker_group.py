@@ -31,7 +31,15 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from torch_distribute.collectives import fingerprint, network
+# Imported before any process group exists, on purpose: its functions' default argument
+# ``group=group.WORLD`` is evaluated at import time, so importing it later (torch._dynamo
+# does, at the first torch.compile or optimizer made) pins the default process group in those
+# defaults. destroy_process_group cannot free it then: it is destroyed during the
+# interpreter's teardown, its Gloo threads still running, which is when the rare SIGABRT at
+# exit ("terminate called without an active exception") happened.
+import torch.distributed.nn.functional  # noqa: F401
+
+from torch_distribute.collectives import exchange, fingerprint, network
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -52,11 +60,12 @@ _FINISHED = "finished"  # the value under _LEFT_PREFIX of a worker whose program
 
 class Agreement(NamedTuple):
     """A fingerprint exchange in flight (``WorkerGroup.start_agreement``): the all-gather of
-    every worker's fingerprint (``head`` here) and small values into the rows of ``gathered``."""
+    every worker's row (``exchange.pack``: this worker's fingerprint is ``head``) into the
+    rows of ``gathered``."""
 
     work: Any
     gathered: torch.Tensor
-    head: tuple[int, ...]
+    head: bytes
     what: str
     dtype: torch.dtype | None
     shape: Sequence[int] | None
@@ -125,6 +134,7 @@ class WorkerGroup:
             _choose_gloo_interface(backend, host)
             self._start_up_step("start-up: init_process_group", lambda: dist.init_process_group(
                 backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout))
+            self._main_group = dist.group.WORLD
             # Gradients travel on their own group so they never interleave with other collectives.
             self.gradient_group = self._start_up_step(
                 "start-up: the gradient group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
@@ -401,36 +411,32 @@ class WorkerGroup:
             mine = torch.tensor([int(flag)])
             self._wait(what, lambda: dist.all_reduce(mine, async_op=True))
             return bool(mine[0] > 0)
-        exchange = self._start_exchange("any_true", what, None, None, [int(flag)])
-        return any(values[0] for values in self._finish_exchange(exchange).tolist())
+        agreement = self._start_exchange("any_true", what, None, None, b"\x01" if flag else b"\x00")
+        return any(payload[0] for payload in self._finish_exchange(agreement))
 
     def _start_exchange(self, kind: str, what: str, dtype: torch.dtype | None, shape: Sequence[int] | None,
-                        values: Sequence[int] = (), compared: Sequence[int] | None = None) -> Agreement:
+                        payload: bytes = b"", compared: Sequence[int] | None = None) -> Agreement:
         """Start one all-gather of this collective's fingerprint (of ``compared``, or of
-        ``shape``) followed by ``values`` (at most ``_SMALL`` int64s). Every exchange has the
-        same size, whatever it carries, so two workers in different exchanges never make Gloo
-        abort on a size mismatch: they find different fingerprints. (An all-gather: Gloo's
-        all-reduce of more than one element costs about twice as much. The bookkeeping is
-        plain Python: one tensor is made and one read, the step pays little besides the
-        collective.)"""
+        ``shape``) followed by ``payload`` (``exchange.py``). An all-gather: Gloo's all-reduce
+        of more than one element costs about twice as much. Called on the process group
+        itself: ``dist.all_gather``'s checks and logging cost more than the rest of the
+        exchange, and the row is well-formed by construction."""
         self._collectives += 1
         head = fingerprint.encode(kind, what, dtype, compared if compared is not None else shape)
-        mine = torch.tensor([*head, *values, *[0] * (_SMALL - len(values))], dtype=torch.int64)
-        gathered = torch.empty(self.world_size, mine.numel(), dtype=torch.int64)
+        gathered = torch.empty(self.world_size, exchange.WIDTH, dtype=torch.int64)
         try:
-            work = dist.all_gather(list(gathered.unbind(0)), mine, async_op=True)
+            work = self._main_group.allgather([list(gathered.unbind(0))], [exchange.pack(head, payload)])
         except Exception as error:  # noqa: BLE001 - translated with the missing worker's name
             raise self.describe_failure(what, error) from error
         return Agreement(work, gathered, head, what, dtype, shape)
 
-    def _finish_exchange(self, exchange: Agreement) -> torch.Tensor:
-        """Wait for an exchange; every worker's values (a row each, zero-padded to ``_SMALL``),
-        or ``ReplicaMismatchError`` on every worker."""
-        self.wait(exchange.what, exchange.work)
-        width = len(exchange.head)
-        if any(tuple(head) != exchange.head for head in exchange.gathered[:, :width].tolist()):
-            self.raise_mismatch(fingerprint.describe(exchange.what, exchange.dtype, exchange.shape))
-        return exchange.gathered[:, width:]
+    def _finish_exchange(self, agreement: Agreement) -> list[bytes]:
+        """Wait for an exchange; every worker's payload, or ``ReplicaMismatchError`` on every
+        worker."""
+        self.wait(agreement.what, agreement.work)
+        if any(head != agreement.head for head in exchange.heads(agreement.gathered)):
+            self.raise_mismatch(fingerprint.describe(agreement.what, agreement.dtype, agreement.shape))
+        return exchange.payloads(agreement.gathered)
 
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
               shape: Sequence[int] | None = None) -> None:
@@ -498,15 +504,10 @@ class WorkerGroup:
         A small tensor (a loss, a metric's totals) travels inside its fingerprint's exchange
         and is combined here, in rank order: one collective instead of two.
         """
-        combine = _COMBINE.get(op)
-        if self._verify and combine is not None and tensor.numel() <= _SMALL and _fits_int64(tensor.dtype):
-            exchange = self._start_exchange(_REDUCE_KINDS[op], what, tensor.dtype, tuple(tensor.shape),
-                                            _to_int64_bits(tensor))
-            parts = _from_int64_bits(self._finish_exchange(exchange), tensor)
-            total = parts[0]
-            for part in parts[1:]:
-                total = combine(total, part)
-            return tensor.copy_(total.view(tensor.shape))
+        if self._verify and exchange.can_carry(tensor, op):
+            agreement = self._start_exchange(f"all_reduce {op}", what, tensor.dtype, tuple(tensor.shape),
+                                             exchange.small_values(tensor))
+            return tensor.copy_(exchange.combine(self._finish_exchange(agreement), op, tensor))
         self.agree(f"all_reduce {op}", what, tensor)
         target = self._comm_tensor(tensor)
         self._wait(what, lambda: dist.all_reduce(target, op=op, async_op=True))
@@ -534,9 +535,9 @@ class WorkerGroup:
         off_axis = tuple(-1 if d == axis else n for d, n in enumerate(tensor.shape))
         sizes = torch.tensor([tensor.shape[axis]], dtype=torch.int64)
         if self._verify:  # the sizes travel with the fingerprint
-            exchange = self._start_exchange(f"all_gather along {axis}", what, tensor.dtype, tuple(tensor.shape),
-                                            [tensor.shape[axis]], compared=off_axis)
-            counts = self._finish_exchange(exchange)[:, 0].tolist()
+            agreement = self._start_exchange(f"all_gather along {axis}", what, tensor.dtype, tuple(tensor.shape),
+                                             struct.pack("<q", tensor.shape[axis]), compared=off_axis)
+            counts = [struct.unpack_from("<q", payload)[0] for payload in self._finish_exchange(agreement)]
         else:
             self._collectives += 1
             all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
@@ -577,6 +578,10 @@ class WorkerGroup:
         self._closed = True
         self._stop_heartbeat()
         atexit.unregister(self._at_exit)
+        # No reference of ours may keep a process group alive past destroy_process_group: its
+        # connections must close now (peers learn at once that this worker left) and its C++
+        # threads must not outlive the interpreter's teardown.
+        self._main_group = self.gradient_group = None
         if dist.is_initialized():
             dist.destroy_process_group()
         # Let the stores' C++ objects (the chief's server thread, the heartbeat client) be
@@ -618,40 +623,6 @@ def _end_before_teardown() -> None:
 
 atexit.register(_end_before_teardown)
 
-_SMALL = 8  # elements: a reduction this small rides in its fingerprint's exchange
-_COMBINE: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    dist.ReduceOp.SUM: torch.add,
-    dist.ReduceOp.PRODUCT: torch.mul,
-    dist.ReduceOp.MAX: torch.maximum,
-    dist.ReduceOp.MIN: torch.minimum,
-}
-
-
-_REDUCE_KINDS = {op: f"all_reduce {op}" for op in _COMBINE}
-
-
-def _fits_int64(dtype: torch.dtype) -> bool:
-    """Whether every value of ``dtype`` survives a trip through float64 or int64 bits."""
-    return not dtype.is_complex and dtype not in (torch.uint64,)
-
-
-def _to_int64_bits(tensor: torch.Tensor) -> list[int]:
-    """``tensor``'s values as int64s: float64 bit patterns for floating dtypes."""
-    values = tensor.detach().reshape(-1).tolist()
-    if tensor.is_floating_point():
-        return list(struct.unpack(f"<{len(values)}q", struct.pack(f"<{len(values)}d", *values)))
-    return [int(v) for v in values]
-
-
-def _from_int64_bits(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Every worker's values (rows of ``_to_int64_bits``) as a (workers, n) tensor of ``like``'s
-    dtype, on its device (each value was of that dtype: the float64 converts back exactly)."""
-    values = values[:, :like.numel()]
-    if like.is_floating_point():
-        values = values.view(torch.float64)
-    return values.to(device=like.device, dtype=like.dtype)
-
-
 def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:
     try:
         call(*args)
@@ -689,7 +660,8 @@ def _backend(implementation: CommunicationImplementation, use_cuda: bool, shared
                 "two ranks on one GPU. Give each worker its own GPU (CUDA_VISIBLE_DEVICES), or use "
                 "CommunicationImplementation.AUTO or RING (Gloo, through host memory)."
             )
-        return "nccl"
+        # Gloo beside NCCL: the fingerprint exchanges and other small CPU collectives.
+        return "cpu:gloo,cuda:nccl"
     if implementation is CommunicationImplementation.RING or not nccl or shared_gpu is not None:
         return "gloo"
     return "cpu:gloo,cuda:nccl"

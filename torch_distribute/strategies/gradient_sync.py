@@ -142,7 +142,7 @@ class GradientSynchronizer:
                     view.zero_()
                 flags.append(1.0 if grads else 0.0)
             signs = fingerprint.signature(self._steps + 1, self._group.run_count)
-            bucket.flat[bucket.flag_offset:].copy_(torch.tensor(flags + signs, dtype=bucket.flat.dtype))
+            bucket.flat[bucket.flag_offset:].copy_(torch.tensor([*flags, *signs], dtype=bucket.flat.dtype))
         self._works.append(self._group.all_reduce_async(bucket.flat))
 
     # -- the optimizer step ------------------------------------------------------------------
@@ -170,10 +170,12 @@ class GradientSynchronizer:
             works = self._works
         for work in works:
             self._group.wait("gradient all-reduce", work)
-        self._check_signatures()
+        # Each bucket's flags and signature, read in one transfer.
+        tails = [bucket.flat[bucket.flag_offset:].tolist() for bucket in self._buckets]
+        self._check_signatures(tails)
         with torch.no_grad():
-            for bucket in self._buckets:
-                flags = bucket.flat[bucket.flag_offset:bucket.signature_offset].tolist()
+            for bucket, tail in zip(self._buckets, tails, strict=True):
+                flags = tail[:len(bucket.records)]
                 for slot, record in enumerate(bucket.records):
                     primary = record.primary
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
@@ -184,13 +186,13 @@ class GradientSynchronizer:
             self._steps += 1
             self._reset_round()
 
-    def _check_signatures(self) -> None:
-        """Every worker summed gradients of the same optimizer step and run, or all raise."""
-        expected = torch.tensor(fingerprint.signature(self._steps + 1, self._group.run_count))
-        expected = expected.mul_(self._group.world_size)
-        for bucket in self._buckets:
-            summed = bucket.flat[bucket.signature_offset:].float().cpu()
-            if not torch.equal(summed, expected):
+    def _check_signatures(self, tails: list[list[float]]) -> None:
+        """Every worker summed gradients of the same optimizer step and run, or all raise.
+        ``tails``: each bucket's summed flags and signature."""
+        signs = fingerprint.signature(self._steps + 1, self._group.run_count)
+        expected = [sign * self._group.world_size for sign in signs]
+        for bucket, tail in zip(self._buckets, tails, strict=True):
+            if tail[len(bucket.records):] != expected:
                 with self._lock:
                     self._reset_round()
                 self._group.raise_mismatch(
