@@ -443,18 +443,20 @@ def failures(tmp_path_factory):
     """All failure scenarios at once (they mostly wait); every process is killed at the end.
 
     exit: worker 1 dies of an uncaught exception at step 3; stop: worker 1 SIGSTOPs itself at step 3;
+    kill: worker 1 SIGKILLs itself at step 3;
     stop_chief / exit_chief: the same of worker 0, which hosts the rendezvous store;
     no_worker: worker 1 never starts; no_chief: worker 0 (the chief) never starts.
     """
     with P.processes(tmp_path_factory.mktemp("mw_failures")) as procs:
         exit_pair = _start_pair(procs, "--fail-rank", "1", "--mode", "exit", "--at", "3")
         stop_pair = _start_pair(procs, "--fail-rank", "1", "--mode", "stop", "--at", "3")
+        kill_pair = _start_pair(procs, "--fail-rank", "1", "--mode", "kill", "--at", "3")
         stop_chief = _start_pair(procs, "--fail-rank", "0", "--mode", "stop", "--at", "3")
         exit_chief = _start_pair(procs, "--fail-rank", "0", "--mode", "exit", "--at", "3")
         no_worker = _start_pair(procs, skip=(1,), timeout=START_TIMEOUT_S)[0]
         no_chief = _start_pair(procs, skip=(0,), timeout=START_TIMEOUT_S)[1]
         deadline = time.monotonic() + 100
-        waited = {"exit": exit_pair[0], "stop": stop_pair[0], "no_worker": no_worker, "no_chief": no_chief,
+        waited = {"exit": exit_pair[0], "stop": stop_pair[0], "kill": kill_pair[0], "no_worker": no_worker, "no_chief": no_chief,
                   "stop_chief": stop_chief[1], "exit_chief": exit_chief[1]}
         out = {}
         for name, proc in waited.items():
@@ -493,6 +495,17 @@ def test_worker_that_stops_answering(failures):
     assert NAMES_WORKER_1.search(report["message"]), report["message"]
     assert "stopped answering" in report["message"]
     assert FAIL_TIMEOUT_S - 1 <= report["blocked_s"] <= FAIL_TIMEOUT_S + 15
+
+
+@pytest.mark.timeout(150)
+def test_worker_that_is_killed(failures):
+    """Gone without a word (SIGKILL): its connections closed, so not "stopped answering"."""
+    report = failures["kill"]
+    _check_unavailable(report, "training")
+    assert report["step"] == 3
+    assert NAMES_WORKER_1.search(report["message"]), report["message"]
+    assert "died without exiting" in report["message"] and "stopped answering" not in report["message"]
+    assert report["blocked_s"] < FAIL_TIMEOUT_S + 15
 
 
 @pytest.mark.timeout(150)

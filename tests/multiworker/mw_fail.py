@@ -1,9 +1,10 @@
 """One worker of a failure test; prints one ``MWRESULT {json}`` line, then exits at once.
 
-    python mw_fail.py --timeout S [--fail-rank R --mode exit|stop --at K]
+    python mw_fail.py --timeout S [--fail-rank R --mode exit|stop|kill --at K]
 
 Trains a tiny model step after step. At step ``K`` worker ``R`` either dies of an uncaught
-exception (``exit``: a crash, exit status 1) or stops itself with SIGSTOP (``stop``: alive but silent). The
+exception (``exit``: a crash, exit status 1), stops itself with SIGSTOP (``stop``: alive but
+silent) or kills itself with SIGKILL (``kill``: gone without a word). The
 others must raise ``WorkerUnavailableError``; they report its message and how long they were
 blocked. A worker alone (the others never started) reports the start-up error.
 """
@@ -26,7 +27,7 @@ import torch_distribute as td  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--timeout", type=float, required=True)
 parser.add_argument("--fail-rank", type=int, default=None)
-parser.add_argument("--mode", choices=["exit", "stop"], default=None)
+parser.add_argument("--mode", choices=["exit", "stop", "kill"], default=None)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--natural-exit", action="store_true",
@@ -62,7 +63,7 @@ try:
             print(f"worker {rank} failing at step {k}", flush=True)
             if args.mode == "exit":
                 raise InjectedFailure(f"worker {rank} crashes at step {k}")
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGKILL if args.mode == "kill" else signal.SIGSTOP)
         started = time.monotonic()
         strategy.run(step, args=(torch.randn(2, 4),))
     result["phase"] = "finished"

@@ -20,6 +20,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import socket
 import struct
 import sys
@@ -381,7 +382,13 @@ class WorkerGroup:
             parts = []
             if missing.exited:
                 parts.append("worker(s) " + ", ".join(map(str, missing.exited)) + " exited")
-            if missing.silent:
+            if missing.silent and error is not None and _CONNECTION_CLOSED.search(str(error)):
+                # Its connections were closed under it: the process is gone (a stopped one keeps
+                # them open), yet it never said it was leaving.
+                parts.append("worker(s) " + ", ".join(map(str, missing.silent)) + " died without "
+                             "exiting (killed, e.g. by SIGKILL or the out-of-memory killer, or crashed "
+                             "in native code)")
+            elif missing.silent:
                 parts.append("worker(s) " + ", ".join(map(str, missing.silent)) + " stopped answering")
             if not parts:
                 return WorkerUnavailableError(
@@ -622,6 +629,10 @@ def _end_before_teardown() -> None:
 
 
 atexit.register(_end_before_teardown)
+
+# How Gloo (and the c10d store) say a peer's socket was closed: the peer process is gone.
+_CONNECTION_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET")
+
 
 def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:
     try:
