@@ -376,13 +376,19 @@ class WorkerGroup:
                 "workers only, or more steps of data on one worker); restarting will not help. Run "
                 "the same collectives on every worker." + detail
             )
-        if missing is None:
+        closed = error is not None and _CONNECTION_CLOSED.search(str(error)) is not None
+        if missing is None and closed and not self._store_reachable():
+            # Its connections closed and its store refuses new ones: the process is gone (a
+            # chief that left normally takes its store, and the record that it left, with it).
+            who = (f"worker 0 (the chief, which hosted the rendezvous store at {self.host}:{self.port}) "
+                   "exited or was killed: its connections closed and its store is gone")
+        elif missing is None:
             who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
         else:
             parts = []
             if missing.exited:
                 parts.append("worker(s) " + ", ".join(map(str, missing.exited)) + " exited")
-            if missing.silent and error is not None and _CONNECTION_CLOSED.search(str(error)):
+            if missing.silent and closed:
                 # Its connections were closed under it: the process is gone (a stopped one keeps
                 # them open), yet it never said it was leaving.
                 parts.append("worker(s) " + ", ".join(map(str, missing.silent)) + " died without "
