@@ -58,8 +58,8 @@ def test_row_layout():
     rows = torch.stack([exchange.pack(head, exchange.small_values(torch.tensor([1.0, -2.0]))),
                         exchange.pack(head, b"\x01")])
     assert rows.shape == (2, exchange.WIDTH) and rows.dtype == torch.int64
-    assert exchange.heads(rows) == [head, head]
-    payloads = exchange.payloads(rows)
+    heads, payloads = zip(*exchange.rows(rows), strict=True)
+    assert list(heads) == [head, head]
     assert [len(p) for p in payloads] == [exchange.PAYLOAD_BYTES] * 2
     assert payloads[1] == b"\x01" + b"\x00" * (exchange.PAYLOAD_BYTES - 1)
 

@@ -15,7 +15,7 @@ float32's (or float16's) precision plus two bits, so adding in double and then r
 the correctly rounded sum.
 
 >>> row = pack(b"\\x00" * HEAD_BYTES, small_values(torch.tensor([1.5])))
->>> payloads(row.view(1, WIDTH))[0][:8] == struct.pack("<d", 1.5)
+>>> rows(row.view(1, WIDTH))[0][1][:8] == struct.pack("<d", 1.5)
 True
 """
 
@@ -52,18 +52,13 @@ def pack(head: bytes, payload: bytes = b"") -> torch.Tensor:
     return torch.frombuffer(bytearray(head + payload + _PADDING[len(payload)]), dtype=torch.int64)
 
 
-def payloads(gathered: torch.Tensor) -> list[bytes]:
-    """Every worker's payload (``PAYLOAD_BYTES`` each), in rank order."""
+def rows(gathered: torch.Tensor) -> list[tuple[bytes, bytes]]:
+    """Every worker's (fingerprint, payload of ``PAYLOAD_BYTES``), in rank order: the
+    gathered buffer is read once."""
     data = gathered.numpy().tobytes()
     row = WIDTH * 8
-    return [data[start + HEAD_BYTES:start + row] for start in range(0, len(data), row)]
-
-
-def heads(gathered: torch.Tensor) -> list[bytes]:
-    """Every worker's fingerprint, in rank order."""
-    data = gathered.numpy().tobytes()
-    row = WIDTH * 8
-    return [data[start:start + HEAD_BYTES] for start in range(0, len(data), row)]
+    return [(data[start:start + HEAD_BYTES], data[start + HEAD_BYTES:start + row])
+            for start in range(0, len(data), row)]
 
 
 def can_carry(tensor: torch.Tensor, op: Any) -> bool:
@@ -81,20 +76,20 @@ def small_values(tensor: torch.Tensor) -> bytes:
     return struct.pack(f"<{len(values)}q", *map(int, values))
 
 
-def combine(rows: list[bytes], op: Any, like: torch.Tensor) -> torch.Tensor:
+def combine(payloads: list[bytes], op: Any, like: torch.Tensor) -> torch.Tensor:
     """The reduction by ``op``, in rank order, of every worker's ``small_values`` of a tensor
     like ``like``: a tensor of its dtype, shape and device."""
     count = like.numel()
     rounding = _ROUNDING_FORMATS.get(like.dtype)
     if op == dist.ReduceOp.SUM and rounding is not None:
-        parts = [struct.unpack(f"<{count}d", row[:8 * count]) for row in rows]
+        parts = [struct.unpack(f"<{count}d", payload[:8 * count]) for payload in payloads]
         totals = list(parts[0])
         for part in parts[1:]:
             totals = [_rounded(total + value, rounding) for total, value in zip(totals, part, strict=True)]
         return torch.tensor(totals, dtype=like.dtype).view(like.shape).to(like.device)
     # Other dtypes and operations: tensor arithmetic, with its rounding and NaN rules.
-    values = torch.frombuffer(bytearray(b"".join(row[:8 * count] for row in rows)), dtype=torch.int64)
-    values = values.view(len(rows), count)
+    values = torch.frombuffer(bytearray(b"".join(payload[:8 * count] for payload in payloads)), dtype=torch.int64)
+    values = values.view(len(payloads), count)
     if like.is_floating_point():
         values = values.view(torch.float64)
     parts = values.to(device=like.device, dtype=like.dtype)

@@ -447,9 +447,10 @@ class WorkerGroup:
         """Wait for an exchange; every worker's payload, or ``ReplicaMismatchError`` on every
         worker."""
         self.wait(agreement.what, agreement.work)
-        if any(head != agreement.head for head in exchange.heads(agreement.gathered)):
+        rows = exchange.rows(agreement.gathered)
+        if any(head != agreement.head for head, _ in rows):
             self.raise_mismatch(fingerprint.describe(agreement.what, agreement.dtype, agreement.shape))
-        return exchange.payloads(agreement.gathered)
+        return [payload for _, payload in rows]
 
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
               shape: Sequence[int] | None = None) -> None:
