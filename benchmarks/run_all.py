@@ -228,7 +228,7 @@ def compiled_note(c: dict) -> str:
     return note
 
 
-FULLY_SHARDED_ORDER = ("FSDP2", "FSDP2-reshard-all", "ours", "MWMS")
+FULLY_SHARDED_ORDER = ("FSDP2", "FSDP2-reshard-all", "ours", "ours-unchecked", "MWMS")
 
 
 def fully_sharded_rows(f: dict) -> list[str]:

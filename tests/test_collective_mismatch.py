@@ -28,18 +28,20 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process
 
 JOB = str(Path(__file__).resolve().parent / "multiworker" / "mismatch_job.py")
 TIMEOUT_S = 10
-MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "early_end", "none"]
+MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "extra_forward",
+         "early_end", "none"]
+# FSDP2 gathers and reduce-scatters inside forward and backward, with no fingerprint of ours.
+SHARDED_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "none"]
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict[int, dict]]:
+def _run_modes(directory: Path, modes: list[str], *extra: str) -> dict[str, dict[int, dict]]:
     """``{mode: {rank: report}}`` (a report holds ``code`` and ``text`` as well)."""
-    with P.processes(tmp_path_factory.mktemp("mismatch")) as procs:
+    with P.processes(directory) as procs:
         started: dict[str, list] = {}
-        for mode in MODES:
+        for mode in modes:
             cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
             started[mode] = [
-                procs.spawn([JOB, "--mode", mode, "--timeout", str(TIMEOUT_S)],
+                procs.spawn([JOB, "--mode", mode, "--timeout", str(TIMEOUT_S), *extra],
                             P.clean_env(MW_RANK=str(rank), TF_CONFIG=json.dumps(
                                 {"cluster": cluster, "task": {"type": "worker", "index": rank}})),
                             f"{mode}{rank}")
@@ -54,6 +56,16 @@ def reports(tmp_path_factory) -> dict[str, dict[int, dict]]:
                 report = H.parse_results(text).get(rank, {})
                 out[mode][rank] = {**report, "code": code, "text": text[-3000:]}
         return out
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    return _run_modes(tmp_path_factory.mktemp("mismatch"), MODES)
+
+
+@pytest.fixture(scope="module")
+def sharded_reports(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    return _run_modes(tmp_path_factory.mktemp("sharded_mismatch"), SHARDED_MODES, "--sharded")
 
 
 def _both_mismatch(reports: dict, mode: str) -> list[str]:
@@ -92,6 +104,12 @@ def test_same_collective_different_tensors(reports, mode, mine, theirs):
 def test_a_skipped_or_repeated_optimizer_step(reports, mode):
     for message in _both_mismatch(reports, mode):
         assert "worker 0: optimizer step" in message and "worker 1: optimizer step" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_a_second_backward_on_one_worker(reports):
+    """Gradient accumulation on one worker only: its step is compared afresh, and differs."""
+    _both_mismatch(reports, "extra_forward")
 
 
 @pytest.mark.timeout(200)
@@ -167,3 +185,26 @@ def test_reductions_with_different_ops_are_a_mismatch(tmp_path):
         assert mismatch is not None, reports[rank]
         assert "worker 0: loss of float32[2]" in mismatch["message"], mismatch["message"]
         assert mismatch["seconds"] < TIMEOUT_S
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, mine, theirs", [
+    ("skip_step", "optimizer step 4 of optimizer 0 (SGD)", "forward 5 of sharded module 0 (Linear"),
+    ("double_step", "optimizer step 5 of optimizer 0 (SGD)", "forward 5 of sharded module 0 (Linear"),
+    ("extra_forward", "optimizer step 4 of optimizer 0 (SGD)", "forward 5 of sharded module 0 (Linear"),
+    ("extra_reduce", "forward 4 of sharded module 0 (Linear", "reduce of float32[3]"),
+])
+def test_fully_sharded_steps_are_compared(sharded_reports, mode, mine, theirs):
+    """FSDP2's own collectives carry no fingerprint: each sharded forward and optimizer step is
+    agreed first, so a worker that goes its own way is named (before: a Gloo abort on a size
+    mismatch, or, for a skipped or repeated step, a model silently left half-updated)."""
+    for message in _both_mismatch(sharded_reports, mode):
+        assert f"worker 0: {mine}" in message and f"worker 1: {theirs}" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_fully_sharded_program_runs_through_as_mirrored_does(sharded_reports, reports):
+    first, second = sharded_reports["none"][0], sharded_reports["none"][1]
+    assert first["code"] == 0 and second["code"] == 0, first["text"] + second["text"]
+    assert first["params"] == second["params"]
+    assert first["params"] == pytest.approx(reports["none"][0]["params"], abs=1e-6)

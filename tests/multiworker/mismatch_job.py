@@ -1,9 +1,10 @@
 """One worker of a program whose workers call different collectives; prints one ``MWRESULT``.
 
-    python mismatch_job.py --mode MODE --timeout S [--off]
+    python mismatch_job.py --mode MODE --timeout S [--off] [--sharded]
 
-Trains a tiny model under ``MultiWorkerMirroredStrategy`` (one CPU replica per worker). At
-step ``AT`` the workers part ways as ``MODE`` says:
+Trains a tiny model under ``MultiWorkerMirroredStrategy`` (one CPU replica per worker), or
+``FullyShardedStrategy`` with ``--sharded``. At step ``AT`` the workers part ways as ``MODE``
+says:
 
 - ``extra_reduce``: worker 1 reduces a tensor the other does not;
 - ``shape``: both reduce, worker 0 a float32[4], worker 1 a float32[2, 2];
@@ -11,11 +12,13 @@ step ``AT`` the workers part ways as ``MODE`` says:
 - ``gather``: both gather along 0, worker 0 a [2, 3], worker 1 a [2, 4];
 - ``skip_step``: worker 1 does not call ``optimizer.step()``;
 - ``double_step``: worker 0 calls ``optimizer.step()`` twice;
+- ``extra_forward``: worker 1 runs forward and backward twice before its step;
 - ``early_end``: worker 1 stops training (and exits normally) after ``AT`` steps;
 - ``none``: nobody; both finish.
 
 Each worker reports the error it got, its message and how long it was blocked, and its
-parameters (to check that nothing diverged before the error).
+parameters (to check that nothing diverged before the error; under ``--sharded`` the whole
+parameters only after a normal end, since gathering them is a collective, else its shards).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--mode", required=True)
 parser.add_argument("--timeout", type=float, required=True)
 parser.add_argument("--off", action="store_true", help="CommunicationOptions(verify_collectives=False)")
+parser.add_argument("--sharded", action="store_true", help="FullyShardedStrategy")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -46,7 +50,10 @@ result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "mode": args.mode,
 started = time.monotonic()
 try:
     options = td.CommunicationOptions(timeout_seconds=args.timeout, verify_collectives=not args.off)
-    strategy = td.MultiWorkerMirroredStrategy(devices=["cpu:0"], communication_options=options)
+    if args.sharded:
+        strategy = td.FullyShardedStrategy(communication_options=options)
+    else:
+        strategy = td.MultiWorkerMirroredStrategy(devices=["cpu:0"], communication_options=options)
     rank = strategy.cluster_resolver.worker_index
     result["rank"] = rank
     torch.manual_seed(H.CHIEF_SEED)
@@ -57,6 +64,8 @@ try:
 
     def step(x: torch.Tensor, k: int) -> None:
         model(x).square().mean().backward()
+        if args.mode == "extra_forward" and rank == 1 and k == AT:
+            model(x).square().mean().backward()
         if not (args.mode == "skip_step" and rank == 1 and k == AT):
             optimizer.step()
         if args.mode == "double_step" and rank == 0 and k == AT:
@@ -88,7 +97,14 @@ except BaseException as error:  # noqa: BLE001 - any other outcome is reported a
     result.update(error=type(error).__name__, message=str(error))
     code = 18
 result["blocked_s"] = time.monotonic() - started
-result["params"] = H.flat(model) if "model" in dir() else None
+if "model" not in dir():
+    result["params"] = None
+elif args.sharded:
+    whole = code == 0 and args.mode == "none"  # full_tensor() gathers: only when all workers get here
+    result["params"] = [v for p in model.parameters()
+                        for v in (p.full_tensor() if whole else p.to_local()).detach().reshape(-1).tolist()]
+else:
+    result["params"] = H.flat(model)
 H.emit(result)
 sys.stdout.flush()
 if code == 0:

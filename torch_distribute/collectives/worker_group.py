@@ -413,6 +413,11 @@ class WorkerGroup:
         )
 
     # -- agreement ----------------------------------------------------------------------------
+    @property
+    def verifies_collectives(self) -> bool:
+        """Whether collectives are fingerprinted (``CommunicationOptions.verify_collectives``)."""
+        return self._verify
+
     def begin_run(self) -> None:
         """Count one ``strategy.run``: gradient buckets carry it in their signature."""
         self.run_count += 1

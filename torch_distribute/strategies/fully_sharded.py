@@ -37,6 +37,7 @@ from torch_distribute.strategies.across_workers import AcrossWorkers
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.multi_worker_mirrored import default_worker_devices
+from torch_distribute.strategies.sharded_checks import ShardedStepChecks
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 if TYPE_CHECKING:
@@ -114,6 +115,10 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             gpus=[gpu_identity(device)] if device.is_cuda else [],
         )
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+        # FSDP2's collectives run inside forward and backward: each forward and optimizer
+        # step is agreed first instead (sharded_checks.py).
+        self._checks = (ShardedStepChecks(self._group)
+                        if self._num_workers > 1 and self._group.verifies_collectives else None)
         self._mesh: DeviceMesh = init_device_mesh(device.torch_device.type, mesh_shape, mesh_dim_names=names)
         self._replica_context = ReplicaContext(strategy, self._worker_index)
         # Modules made in scope, in creation order, until they are sharded.
@@ -160,6 +165,8 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             self._record(parent)
 
     def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._checks is not None:
+            self._checks.watch_optimizer(optimizer)
         sharded = self._shard_pending()
         if not sharded:
             return
@@ -211,8 +218,11 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         self._sharding = True
         try:
             for root in roots:
+                class_name = type(root).__name__  # fully_shard renames the class (FSDPNet)
                 self._shard_tree(root)
                 self._roots.add(root)
+                if self._checks is not None:
+                    self._checks.watch_root(root, class_name)
                 for sub in root.modules():
                     self._modules.add(sub)
         finally:
