@@ -22,8 +22,10 @@ seeded generator; the seed is printed.
    checkpoint that passes the full checksum and loads, and a ``CheckpointManager`` built
    there removes every leftover temporary file.
 2. ``mismatch/<mode>``: ``tests/multiworker/mismatch_job.py`` as is (the programs part ways at
-   step 3, a constant of that script). Pass: ``td.ReplicaMismatchError`` on every worker (for
-   ``early_end``: on the worker still waiting; the other finishes normally) within
+   step 3, a constant of that script), under ``MultiWorkerMirroredStrategy`` and, for the
+   modes FSDP2's own collectives could pair wrongly, under ``FullyShardedStrategy``. Pass:
+   ``td.ReplicaMismatchError`` on every worker (for ``early_end``: on the worker still
+   waiting; the other finishes normally) within
    ``--mismatch-limit`` seconds (default half the timeout) of the call, exit status 17
    (never a Gloo abort, never a success on both). ``none`` is the control: both finish
    with equal parameters.
@@ -91,7 +93,10 @@ FAULT = "RWFAULT "
 MW_RESULT = "MWRESULT "
 TIMEOUT_S = 10.0
 PHASES = ["startup", "between", "backward", "save", "ragged"]
-MISMATCH_MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "early_end", "none"]
+MISMATCH_MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "extra_forward",
+                  "early_end", "none"]
+# Also run under FullyShardedStrategy (--sharded): FSDP2's own collectives run inside forward and backward.
+SHARDED_MISMATCH_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "none"]
 
 _print_lock = threading.Lock()
 _port_lock = threading.Lock()
@@ -295,12 +300,13 @@ def check_after_save(trial: Trial, logdir: Path, ckpt_dir: Path, victim: int) ->
 
 
 # -- 2. mismatched programs ------------------------------------------------------------------------
-def run_mismatch(trial: Trial, mode: str, root: Path, opts: argparse.Namespace) -> Trial:
-    logdir = root / f"mismatch_{mode}-{trial.index}"
+def run_mismatch(trial: Trial, mode: str, root: Path, opts: argparse.Namespace, sharded: bool = False) -> Trial:
+    logdir = root / f"mismatch_{mode}{'_sharded' if sharded else ''}-{trial.index}"
     logdir.mkdir(parents=True)
     ports = get_ports()
+    extra = ["--sharded"] if sharded else []
     with P.processes(logdir) as procs:
-        pair = [procs.spawn([WORKER, "run", MISMATCH_JOB, "--mode", mode, "--timeout", str(TIMEOUT_S)],
+        pair = [procs.spawn([WORKER, "run", MISMATCH_JOB, "--mode", mode, "--timeout", str(TIMEOUT_S), *extra],
                             P.clean_env(TF_CONFIG=tf_config(ports, r), MW_RANK=str(r)), f"w{r}")
                 for r in range(2)]
         deadline = time.monotonic() + opts.deadline
@@ -801,11 +807,14 @@ def main() -> int:
 
     # Jobs of worker pairs; their random parameters are drawn here, in a fixed order.
     jobs = []
-    for mode in MISMATCH_MODES:
-        scenario = f"mismatch/{mode}" + (" (control: same program)" if mode == "none" else "")
-        if only(scenario):
-            for i in range(opts.mismatch_trials):
-                jobs.append((Trial(scenario, i, {}), lambda t, m=mode: run_mismatch(t, m, root, opts)))
+    for sharded, modes in ((False, MISMATCH_MODES), (True, SHARDED_MISMATCH_MODES)):
+        for mode in modes:
+            scenario = (f"mismatch/{mode}" + (" (FullyShardedStrategy)" if sharded else "")
+                        + (" (control: same program)" if mode == "none" else ""))
+            if only(scenario):
+                for i in range(opts.mismatch_trials):
+                    jobs.append((Trial(scenario, i, {}),
+                                 lambda t, m=mode, f=sharded: run_mismatch(t, m, root, opts, sharded=f)))
     death_jobs = []
     for phase in PHASES:
         for sig in ("KILL", "STOP"):
