@@ -13,13 +13,15 @@ So before a sharded root module's forward (ahead of FSDP2's own pre-forward hook
 every gather of that forward and backward) and before each step of an optimizer made in the
 scope, the workers exchange a fingerprint (``WorkerGroup.agree``) naming it and counting it.
 A difference raises ``ReplicaMismatchError`` on every worker, naming what each called,
-before any collective is paired with the wrong one. Two exchanges per training step; none
-with ``CommunicationOptions(verify_collectives=False)`` or a single worker.
+before any collective is paired with the wrong one. That is one exchange per forward of a
+sharded model and one per optimizer step (two per plain training step); none with
+``CommunicationOptions(verify_collectives=False)`` or a single worker.
 
 Example (what a skipped step on worker 1 is reported as)::
 
     ReplicaMismatchError: ... worker 0: optimizer step 4 of optimizer 0 (SGD) at train.py:31 in
-    step; worker 1: forward 5 of sharded module 0 (Net) at train.py:28 in step ...
+    step; worker 1: forward 5 of sharded module 0 (Net: its parameters' all-gathers) at
+    train.py:28 in step ...
 """
 
 from __future__ import annotations
