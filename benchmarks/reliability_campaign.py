@@ -702,7 +702,8 @@ def config_variants() -> list[tuple[str, dict[str, str], list[str]]]:
         ("TF_CONFIG port 0", tf({"worker": ["127.0.0.1:0", workers[1]]}, task0), ["port"]),
         ("TF_CONFIG non-integer port", tf({"worker": ["127.0.0.1:http", workers[1]]}, task0), ["port"]),
         ("TF_CONFIG empty host", tf({"worker": [f":{p1}", workers[1]]}, task0), ["host"]),
-        ("TF_CONFIG missing cluster", tf(None, task0), ["cluster"]),
+        # Without a cluster, worker 0 is TensorFlow's single local worker; any other task is broken.
+        ("TF_CONFIG missing cluster", tf(None, {"type": "worker", "index": 1}), ["cluster"]),
         ("TF_CONFIG missing task", tf({"worker": workers}, None), ["task"]),
         ("TF_CONFIG index out of range", tf({"worker": workers}, {"type": "worker", "index": 2}), ["index"]),
         ("TF_CONFIG unknown task type", tf({"worker": workers}, {"type": "gardener", "index": 0}),
