@@ -96,7 +96,7 @@ PHASES = ["startup", "between", "backward", "save", "ragged"]
 MISMATCH_MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "extra_forward",
                   "early_end", "none"]
 # Also run under FullyShardedStrategy (--sharded): FSDP2's own collectives run inside forward and backward.
-SHARDED_MISMATCH_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "none"]
+SHARDED_MISMATCH_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "skip_scaled_step", "none"]
 
 _print_lock = threading.Lock()
 _port_lock = threading.Lock()

@@ -31,7 +31,7 @@ TIMEOUT_S = 10
 MODES = ["extra_reduce", "shape", "dtype", "gather", "skip_step", "double_step", "extra_forward",
          "early_end", "none"]
 # FSDP2 gathers and reduce-scatters inside forward and backward, with no fingerprint of ours.
-SHARDED_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "none"]
+SHARDED_MODES = ["extra_reduce", "skip_step", "double_step", "extra_forward", "skip_scaled_step", "none"]
 
 
 def _run_modes(directory: Path, modes: list[str], *extra: str) -> dict[str, dict[int, dict]]:
@@ -193,11 +193,14 @@ def test_reductions_with_different_ops_are_a_mismatch(tmp_path):
     ("double_step", "optimizer step 5 of optimizer 0 (SGD)", "forward 5 of sharded module 0 (Linear"),
     ("extra_forward", "optimizer step 4 of optimizer 0 (SGD)", "forward 5 of sharded module 0 (Linear"),
     ("extra_reduce", "forward 4 of sharded module 0 (Linear", "reduce of float32[3]"),
+    # Loss scaling's inf/NaN check all-reduces a flag over the shards: compared first.
+    ("skip_scaled_step", "loss scaling or clipping 4 of optimizer 0 (SGD", "forward 5 of sharded module 0 (Linear"),
 ])
 def test_fully_sharded_steps_are_compared(sharded_reports, mode, mine, theirs):
     """FSDP2's own collectives carry no fingerprint: each sharded forward and optimizer step is
     agreed first, so a worker that goes its own way is named (before: a Gloo abort on a size
-    mismatch, or, for a skipped or repeated step, a model silently left half-updated)."""
+    mismatch; for a skipped or repeated step, a model silently left half-updated; for a
+    skipped loss-scaled step, a timeout blamed on the chief)."""
     for message in _both_mismatch(sharded_reports, mode):
         assert f"worker 0: {mine}" in message and f"worker 1: {theirs}" in message, message
 

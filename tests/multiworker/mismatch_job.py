@@ -12,6 +12,8 @@ says:
 - ``gather``: both gather along 0, worker 0 a [2, 3], worker 1 a [2, 4];
 - ``skip_step``: worker 1 does not call ``optimizer.step()``;
 - ``double_step``: worker 0 calls ``optimizer.step()`` twice;
+- ``skip_scaled_step``: ``skip_step`` with a ``td.mixed_precision.LossScaleOptimizer``
+  (its inf/NaN check is a collective of its own under ``--sharded``);
 - ``extra_forward``: worker 1 runs forward and backward twice before its step;
 - ``early_end``: worker 1 stops training (and exits normally) after ``AT`` steps;
 - ``none``: nobody; both finish.
@@ -60,13 +62,17 @@ try:
     with strategy.scope():
         model = torch.nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaled = args.mode == "skip_scaled_step"
+        if scaled:
+            optimizer = td.mixed_precision.LossScaleOptimizer(optimizer)
     data = torch.Generator().manual_seed(7)
 
     def step(x: torch.Tensor, k: int) -> None:
-        model(x).square().mean().backward()
+        loss = model(x).square().mean()
+        (optimizer.get_scaled_loss(loss) if scaled else loss).backward()
         if args.mode == "extra_forward" and rank == 1 and k == AT:
             model(x).square().mean().backward()
-        if not (args.mode == "skip_step" and rank == 1 and k == AT):
+        if not (args.mode in ("skip_step", "skip_scaled_step") and rank == 1 and k == AT):
             optimizer.step()
         if args.mode == "double_step" and rank == 0 and k == AT:
             optimizer.step()

@@ -298,6 +298,13 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             raise self._group.describe_failure(
                 "A fully sharded step (gather or reduce-scatter)", error, missing=missing) from error
 
+    def apply_to_global_gradients(self, optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Any:
+        # The gradients are already the global ones, sharded; the inf/NaN check and clipping
+        # reduce over the shards, a collective of their own: agreed first.
+        if self._checks is not None:
+            self._checks.before_global_gradients(optimizer)
+        return fn()
+
     # -- across workers (AcrossWorkers) --------------------------------------------------------
     @property
     def coordination_store(self) -> Any | None:

@@ -209,6 +209,10 @@ def _wrap_scheduler_init(original: Any) -> Any:
     return __init__
 
 
+# What torch's GradScaler raises (RuntimeError) when unscale_ or step is called twice.
+_SCALER_MISUSE = ("has already been called",)
+
+
 def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
     @functools.wraps(original)
     def method(scaler: Any, *args: Any, **kwargs: Any) -> Any:
@@ -229,6 +233,8 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
             try:
                 return original(scaler, *args, **kwargs)
             except RuntimeError as error:  # torch's misuse errors, with what to change
+                if not any(text in str(error) for text in _SCALER_MISUSE):
+                    raise  # e.g. a collective that failed: the strategy names the worker
                 raise InvalidArgumentError(
                     f"GradScaler.{original.__name__}() inside strategy.run(): {error} Call "
                     "scaler.unscale_(optimizer) at most once and scaler.step(optimizer) once per "

@@ -10,8 +10,10 @@ size mismatch, or the gathers mix unrelated shards. And a worker that skips
 which no collective notices at all.
 
 So before a sharded root module's forward (ahead of FSDP2's own pre-forward hook, and so of
-every gather of that forward and backward) and before each step of an optimizer made in the
-scope, the workers exchange a fingerprint (``WorkerGroup.agree``) naming it and counting it.
+every gather of that forward and backward), before each step of an optimizer made in the
+scope, and before loss scaling's inf/NaN check or gradient clipping (each reduces over the
+shards: DTensor all-reduces the found-inf flag, and the norm), the workers exchange a
+fingerprint (``WorkerGroup.agree``) naming it and counting it.
 A difference raises ``ReplicaMismatchError`` on every worker, naming what each called,
 before any collective is paired with the wrong one. That is one exchange per forward of a
 sharded model and one per optimizer step (two per plain training step); none with
@@ -27,6 +29,7 @@ Example (what a skipped step on worker 1 is reported as)::
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +45,10 @@ class ShardedStepChecks:
     def __init__(self, group: WorkerGroup):
         self._group = group
         self._roots = 0
-        self._optimizers = 0
+        # Each watched optimizer: (its index, its class name, how often its gradients were
+        # checked or clipped).
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, str, Any]] = (
+            weakref.WeakKeyDictionary())
 
     def watch_root(self, root: nn.Module, name: str) -> None:
         """Agree before each forward of ``root`` (a module ``fully_shard`` was applied to;
@@ -61,8 +67,8 @@ class ShardedStepChecks:
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Agree before each ``optimizer.step()``."""
-        index, name = self._optimizers, type(optimizer).__name__
-        self._optimizers += 1
+        index, name = len(self._optimizers), type(optimizer).__name__
+        self._optimizers[optimizer] = (index, name, itertools.count(1))
         steps = itertools.count(1)
 
         @never_compiled
@@ -70,3 +76,10 @@ class ShardedStepChecks:
             self._group.agree("optimizer step", f"optimizer step {next(steps)} of optimizer {index} ({name})")
 
         optimizer.register_step_pre_hook(before_step)
+
+    def before_global_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Agree before loss scaling or clipping reads ``optimizer``'s gradients over the shards
+        (``GradScaler.unscale_``/``step``, ``clip_grad_norm_``: a collective of their own)."""
+        index, name, uses = self._optimizers.get(optimizer, ("?", type(optimizer).__name__, itertools.count(1)))
+        self._group.agree("global gradients", f"loss scaling or clipping {next(uses)} of optimizer {index} "
+                                              f"({name}: its gradients' reduction over the shards)")
