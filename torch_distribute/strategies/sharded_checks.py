@@ -40,11 +40,13 @@ from torch_distribute.eager import never_compiled
 
 
 class ShardedStepChecks:
-    """Agrees every forward of the watched roots and every step of the watched optimizers."""
+    """Agrees every forward of the watched roots, and every step of the watched optimizers and
+    every loss-scaling check or clipping of their gradients."""
 
     def __init__(self, group: WorkerGroup):
         self._group = group
         self._roots = 0
+        self._optimizer_count = 0
         # Each watched optimizer: (its index, its class name, how often its gradients were
         # checked or clipped).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, str, Any]] = (
@@ -67,7 +69,8 @@ class ShardedStepChecks:
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Agree before each ``optimizer.step()``."""
-        index, name = len(self._optimizers), type(optimizer).__name__
+        index, name = self._optimizer_count, type(optimizer).__name__
+        self._optimizer_count += 1
         self._optimizers[optimizer] = (index, name, itertools.count(1))
         steps = itertools.count(1)
 
