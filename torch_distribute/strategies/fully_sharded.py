@@ -115,8 +115,8 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             gpus=[gpu_identity(device)] if device.is_cuda else [],
         )
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
-        # FSDP2's collectives run inside forward and backward: each forward and optimizer
-        # step is agreed first instead (sharded_checks.py).
+        # FSDP2's collectives run inside forward and backward: each forward, optimizer step,
+        # loss-scaling check and clipping is agreed first instead (sharded_checks.py).
         self._checks = (ShardedStepChecks(self._group)
                         if self._num_workers > 1 and self._group.verifies_collectives else None)
         self._mesh: DeviceMesh = init_device_mesh(device.torch_device.type, mesh_shape, mesh_dim_names=names)
