@@ -8,6 +8,7 @@ processes and the test process build exactly the same things. No pytest, no
 from __future__ import annotations
 
 import json
+import time
 
 import proc_helpers
 import torch
@@ -89,3 +90,16 @@ def emit(payload: dict) -> None:
 def parse_results(text: str) -> dict[int, dict]:
     """``{rank: payload}`` from worker output (plain, or prefixed ``[rank i] `` by the launcher)."""
     return proc_helpers.parse_results(text, RESULT_PREFIX)
+
+
+def results_of_clean_exits(procs: proc_helpers.Processes, workers: list, seconds: float) -> dict[int, dict]:
+    """``{rank: payload}`` of ``workers`` (rank order), each of which must exit 0 within
+    ``seconds`` of now (an assertion error shows the tail of its output otherwise)."""
+    deadline = time.monotonic() + seconds
+    reports = {}
+    for rank, proc in enumerate(workers):
+        code = procs.wait(proc, deadline - time.monotonic())
+        text = procs.output(proc)
+        assert code == 0, text[-3000:]
+        reports[rank] = parse_results(text)[rank]
+    return reports

@@ -135,14 +135,7 @@ def _exchange_reports(tmp_path: Path, world: int, *extra: str) -> dict[int, dict
     with P.processes(tmp_path) as procs:
         started = [procs.spawn([job, "--rank", str(r), "--world", str(world), "--port", str(port), *extra],
                                P.clean_env(), f"exchange{r}") for r in range(world)]
-        deadline = time.monotonic() + 120
-        reports = {}
-        for rank, proc in enumerate(started):
-            code = procs.wait(proc, deadline - time.monotonic())
-            text = procs.output(proc)
-            assert code == 0, text[-3000:]
-            reports[rank] = H.parse_results(text)[rank]
-    return reports
+        return H.results_of_clean_exits(procs, started, 120)
 
 
 def _expected(op: str, parts: list[torch.Tensor]) -> list:
