@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench gpu-report clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# On a GPU machine: tests/test_gpu.py and the GPU benchmarks, one dated report in benchmarks/.
+# Uses the interpreter whose torch sees the GPU (no .venv: GPU machines carry a CUDA torch);
+# without a GPU it prints its plan and exits 0.
+gpu-report:
+	$(PYTHON) benchmarks/gpu_report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -30,6 +30,12 @@ Variants (``--variants``, comma-separated):
   is made), so this measures the strategy's own cost on the GPU, not NCCL.
 * ``ddp``: ``DistributedDataParallel`` with one NCCL rank on ``cuda:0`` (its reducer still
   copies every gradient into a bucket and all-reduces it over the one rank).
+* ``mirrored2``: ``td.MirroredStrategy()`` over 2 logical GPUs of the one card
+  (``td.config.set_logical_device_configuration``): 2 replicas in one process, each on half
+  the global batch. On the CPU (a check of the script): ``cpu:0,cpu:1``.
+* ``ddp2``: its fair baseline, ``DistributedDataParallel`` with 2 processes sharing the card
+  (started by torchrun), each on half the global batch. NCCL refuses two ranks on one GPU, so
+  the ranks use Gloo (gradients cross through the host). Rank 0's time is reported.
 
 Every variant moves its host batches to the GPU inside the timed loop.
 
@@ -64,7 +70,8 @@ HERE = os.path.abspath(__file__)
 RESULT = "GPUBENCH "
 PRECISIONS = ("float32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-VARIANTS = ("hand", "one", "central", "mwms", "ddp")
+VARIANTS = ("hand", "one", "central", "mwms", "ddp", "mirrored2", "ddp2")
+DEFAULT_VARIANTS = ("hand", "one", "central", "mwms", "ddp")
 
 
 class Block(nn.Module):
@@ -122,18 +129,26 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
     on_gpu = device_name.startswith("cuda")
     # Where the loss is computed (the compute device, also for central storage).
     scaler = torch.amp.GradScaler(torch.device(device_name).type) if precision == "fp16" else None
-    if variant in ("hand", "ddp"):
+    if variant in ("hand", "ddp", "ddp2"):
         device = torch.device(device_name)
         model = make_model().to(device)
+        rows = slice(None)
         if variant == "ddp":
             import torch.distributed as dist
 
             dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
             model = nn.parallel.DistributedDataParallel(model, device_ids=[0] if on_gpu else None)
+        elif variant == "ddp2":  # torchrun's variables; Gloo: NCCL refuses two ranks on one GPU
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            half = GLOBAL_BATCH // 2
+            rows = slice(dist.get_rank() * half, (dist.get_rank() + 1) * half)
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index or 0] if on_gpu else None)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-            x, y = (t.to(device, non_blocking=True) for t in batch)
+            x, y = (t[rows].to(device, non_blocking=True) for t in batch)
             backward_and_step(loss_of(model, x, y, precision).sum() / GLOBAL_BATCH, opt, scaler)
 
         data = batches
@@ -146,6 +161,8 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
             # On the CPU (a check of this script), compute on a second logical CPU device.
             compute = device_name if on_gpu else "cpu:1"
             strategy = td.CentralStorageStrategy([compute], parameter_device="cpu:0")
+        elif variant == "mirrored2":
+            strategy = _two_replica_strategy(td, on_gpu)
         else:
             strategy = td.MultiWorkerMirroredStrategy(devices=[device_name])
         with strategy.scope():
@@ -173,7 +190,20 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
     synchronize()
     seconds = (time.perf_counter() - started) / steps
     scales = None if scaler is None else [scale_after_warmup, scaler.get_scale()]
-    return {"s_per_step": seconds, "loss_scale": scales}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
+    return {"s_per_step": seconds, "loss_scale": scales, "peak_memory_gib": peak}
+
+
+def _two_replica_strategy(td, on_gpu: bool):
+    """``td.MirroredStrategy()`` over 2 logical GPUs of the one card (CPU: ``cpu:0,cpu:1``)."""
+    if not on_gpu:
+        return td.MirroredStrategy(["cpu:0", "cpu:1"])
+    gpu = td.config.list_physical_devices("GPU")[0]
+    td.config.set_logical_device_configuration(
+        gpu, [td.config.LogicalDeviceConfiguration(), td.config.LogicalDeviceConfiguration()])
+    strategy = td.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
+    return strategy
 
 
 def free_port() -> int:
@@ -188,6 +218,9 @@ def spawn(variant: str, precision: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if variant == "mwms":
         cmd = [sys.executable, "-m", "torch_distribute.launch", "--nproc", "1", *child]
+    elif variant == "ddp2":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), *child]
     else:
         cmd = [sys.executable, *child]
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -208,7 +241,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=[*PRECISIONS, "all"], default="all",
                         help="float32, bf16 (bfloat16 autocast), fp16 (float16 autocast + GradScaler), "
                              "or all three in one run (default)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--device", default="cuda:0", help="cpu only checks that the script runs")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,7 +250,8 @@ def main() -> None:
         if args.precision == "all":
             parser.error("a child process runs one precision")
         result = run_variant(args.child, args.steps, args.warmup, args.precision, args.device)
-        print(RESULT + json.dumps(result))
+        if os.environ.get("RANK", "0") == "0":  # ddp2: rank 0 speaks for both
+            print(RESULT + json.dumps(result))
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_gpu.py needs a CUDA GPU and torch.cuda.is_available() is False here. "
@@ -229,12 +264,14 @@ def main() -> None:
 
     times: dict[str, dict[str, list[float]]] = {p: {v: [] for v in variants} for p in precisions}
     loss_scales: dict[str, list[float]] = {}
+    peak_gib: dict[str, dict[str, float | None]] = {p: {} for p in precisions}
     for _ in range(args.rounds):
         for precision in precisions:
             for variant in variants:
                 result = spawn(variant, precision, args)
                 times[precision][variant].append(result["s_per_step"] * 1e3)
                 print(f"{precision} {variant}: {result['s_per_step'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+                peak_gib[precision][variant] = result["peak_memory_gib"]
                 if result["loss_scale"] is not None:
                     loss_scales[variant] = result["loss_scale"]  # the last round's
 
@@ -254,6 +291,12 @@ def main() -> None:
             print(f"rounds {p:>7} {v:>8}: {', '.join(f'{t:.2f}' for t in times[p][v])} ms/step")
         if "mwms" in variants and "ddp" in variants:
             print(f"throughput mwms / ddp, {p}: {med[p]['ddp'] / med[p]['mwms']:.3f}")
+        if "mirrored2" in variants and "ddp2" in variants:
+            print(f"throughput mirrored2 / ddp2 (2 replicas on one card), {p}: "
+                  f"{med[p]['ddp2'] / med[p]['mirrored2']:.3f}")
+        if any(g is not None for g in peak_gib[p].values()):
+            print(f"peak GPU memory (GiB, last round, per process), {p}: "
+                  + ", ".join(f"{v} {g:.2f}" for v, g in peak_gib[p].items() if g is not None))
     if loss_scales:
         print("fp16 loss scale after warmup -> after the timed steps (last round): "
               + ", ".join(f"{v} {s[0]:g} -> {s[1]:g}" for v, s in loss_scales.items()))
@@ -261,7 +304,7 @@ def main() -> None:
         "device": name, "global_batch": GLOBAL_BATCH, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "precisions": precisions, "variants": variants,
         "ms_per_step": med, "ratio_hand_over_variant": ratio, "rounds_ms_per_step": times,
-        "fp16_loss_scale": loss_scales,
+        "fp16_loss_scale": loss_scales, "peak_memory_gib": peak_gib,
     }))
 
 
