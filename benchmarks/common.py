@@ -170,12 +170,14 @@ def handwritten_trainer(dtype: torch.dtype, global_batch: int) -> Trainer:
 
 
 def ddp_trainer(
-    rank: int, world_size: int, dtype: torch.dtype, global_batch: int, log_global_loss: bool
+    rank: int, world_size: int, dtype: torch.dtype, global_batch: int, log_global_loss: bool,
+    compile: bool = False,
 ) -> Trainer:
     """Raw ``DistributedDataParallel``: rank ``r`` trains on its rows of every global batch.
 
     ``log_global_loss``: all-reduce the loss every step, as a loop that logs the global loss
-    does (the strategy variants do it with ``strategy.reduce``).
+    does (the strategy variants do it with ``strategy.reduce``). ``compile``: the DDP module
+    under ``torch.compile``, as PyTorch documents it (dynamo splits the graph at DDP's buckets).
     """
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -184,6 +186,8 @@ def ddp_trainer(
     core = make_model(dtype=dtype)
     model = DistributedDataParallel(core)
     optimizer = make_optimizer(model)
+    if compile:
+        model = torch.compile(model)
     local = global_batch // world_size
     lo, hi = rank * local, (rank + 1) * local
     batches = Cycle([(x[lo:hi], y[lo:hi]) for x, y in global_batches(global_batch, dtype=dtype)])

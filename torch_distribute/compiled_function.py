@@ -14,6 +14,12 @@ compiled kernels with one warning saying why where replicas share the process (C
 capture per process, and replica threads would capture concurrently). When torch's inductor
 cannot use CUDA graphs for a part of the step, one warning gives its reason.
 
+Several CPU replicas in one process (``MirroredStrategy(["cpu:0", "cpu:1"])``) run their
+compiled steps in threads. Inductor's default Python wrapper calls each generated C++ kernel
+holding the GIL, so the threads would take turns; for them the graphs are built with
+inductor's C++ wrapper (``cpp_wrapper``), which runs a whole graph in C++ with the GIL
+released, and the replicas' graphs overlap.
+
 >>> import torch, torch_distribute as td
 >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
 >>> with strategy.scope():
@@ -113,11 +119,11 @@ class Function:
         self._mode = mode
         self._fullgraph = bool(fullgraph)
         self._dynamic = dynamic
-        self._inductors: dict[str | None, Any] = {}
+        self._inductors: dict[tuple[str | None, bool], Any] = {}
         self._graphs = 0
         self._lock = threading.RLock()
         self._calls_run: bool | None = None  # learnt on the first call
-        self._compiled: weakref.WeakKeyDictionary[Any, dict[str | None, Callable[..., Any]]] = (
+        self._compiled: weakref.WeakKeyDictionary[Any, dict[tuple[str | None, bool], Callable[..., Any]]] = (
             weakref.WeakKeyDictionary()
         )
         self._warned: set[str] = set()
@@ -135,11 +141,13 @@ class Function:
             self._calls_run = call.runs > 0
         return result
 
-    def _backend(self, mode: str | None) -> Callable[..., Any]:
+    def _backend(self, mode: str | None, cpp_wrapper: bool) -> Callable[..., Any]:
         with self._lock:
-            inductor = self._inductors.get(mode)
+            inductor = self._inductors.get((mode, cpp_wrapper))
             if inductor is None:
-                inductor = self._inductors[mode] = torch._TorchCompileInductorWrapper(mode, None, self._dynamic)
+                options = {"cpp_wrapper": True} if cpp_wrapper else None
+                inductor = self._inductors[mode, cpp_wrapper] = torch._TorchCompileInductorWrapper(
+                    mode, options, self._dynamic)
 
         def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with self._lock:
@@ -185,12 +193,13 @@ class Function:
         for replicas on ``devices`` (None: not known)."""
         target, owner = (fn.__func__, fn.__self__) if hasattr(fn, "__func__") else (fn, None)
         mode = self._mode_for(devices)
+        key = (mode, _replica_threads_on_cpu(devices))
         with self._lock:
-            by_mode = self._compiled.setdefault(target, {})
-            attributed = by_mode.get(mode)
+            by_key = self._compiled.setdefault(target, {})
+            attributed = by_key.get(key)
             if attributed is None:
-                attributed = by_mode[mode] = self._attributed(
-                    torch.compile(target, backend=self._backend(mode), fullgraph=self._fullgraph,
+                attributed = by_key[key] = self._attributed(
+                    torch.compile(target, backend=self._backend(*key), fullgraph=self._fullgraph,
                                   dynamic=self._dynamic))
         return attributed if owner is None else functools.partial(attributed, owner)
 
@@ -210,6 +219,11 @@ class Function:
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
         return self._graphs
+
+
+def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
+    """Whether the graphs run in several CPU replica threads: built to release the GIL."""
+    return bool(devices) and len(devices) > 1 and all(d.type == "cpu" for d in devices)
 
 
 def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, fullgraph: bool = False,
