@@ -24,6 +24,7 @@ and there is one scale, updated once per step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +34,11 @@ from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.strategies import owner_of
 
 __all__ = ["LossScaleOptimizer"]
+
+# Replica threads scale their losses at once; GradScaler makes its scale tensors lazily, on the
+# first scale(), and two threads doing that together trip its own assertion ("_growth_tracker
+# initialized before _scale"). One lock for the process: an optimizer stays picklable.
+_SCALE_LOCK = threading.Lock()
 
 
 class LossScaleOptimizer:
@@ -93,7 +99,8 @@ class LossScaleOptimizer:
 
     def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale: call ``backward()`` on this."""
-        return self._scaler.scale(loss)
+        with _SCALE_LOCK:
+            return self._scaler.scale(loss)
 
     def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``grads`` divided by the loss scale (new tensors; ``None`` stays ``None``).
