@@ -330,8 +330,9 @@ class WorkerGroup:
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:
         try:
-            client = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 2 + 1))
+            # Retried like the main connection (a lost connection attempt must not silence it),
+            # within the time _stop_heartbeat waits for this thread.
+            client = connect_store(self.host, self.port, self.world_size, self._heartbeat_interval * 2 + 1)
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
         self._heartbeat_client = client
