@@ -72,10 +72,11 @@ def check_reports(reports: dict[int, dict], reference: list[float], num_workers:
         assert max(abs(a - b) for a, b in zip(report["params"], reference, strict=True)) <= 1e-6, rank
 
 
-def run_launcher(processes, argv: list[str], env: dict[str, str], name: str) -> str:
-    """Run one launcher command to its end (it must exit 0); its output."""
+def run_launcher(processes, argv: list[str], env: dict[str, str], name: str,
+                 seconds: float = JOB_SECONDS) -> str:
+    """Run one launcher command to its end (it must exit 0 within ``seconds``); its output."""
     proc = processes.spawn(argv, env, name, python=False)
-    code = processes.wait(proc, JOB_SECONDS)
+    code = processes.wait(proc, seconds)
     text = processes.output(proc)
     assert code == 0, f"{name} exited {code}:\n{text[-4000:]}"
     return text
@@ -131,7 +132,7 @@ def test_ray_train_torch_trainer(processes, reference, tmp_path):
     out = tmp_path / "ray"
     out.mkdir()
     run_launcher(processes, [sys.executable, "-u", RAY_JOB, str(out)],
-                 P.clean_env(RAY_USAGE_STATS_ENABLED="0"), "ray")
+                 P.clean_env(RAY_USAGE_STATS_ENABLED="0"), "ray", seconds=2 * JOB_SECONDS)
     reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     check_reports(reports, reference)
     assert all(r["adopted"] and r["resolver"] == "ProcessGroupClusterResolver" for r in reports.values())

@@ -31,11 +31,24 @@ def train_loop_per_worker(config: dict) -> None:
         json.dump(result, f)
 
 
+def start_ray(attempts: int = 3) -> None:
+    """A local Ray instance. Ray waits a fixed 30 s for its raylet to register, which a loaded
+    machine can miss; a failed start is retried."""
+    for attempt in range(attempts):
+        try:
+            ray.init(num_cpus=4,  # logical CPUs: 2 workers and the train controller
+                     include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            return
+        except Exception as error:  # noqa: BLE001 - Ray raises a plain Exception here
+            if attempt == attempts - 1 or "timed out during startup" not in str(error):
+                raise
+            ray.shutdown()
+
+
 def main() -> None:
     out = os.path.abspath(sys.argv[1])
-    ray.init(num_cpus=4,  # logical CPUs: 2 workers and the train controller
-             include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    start_ray()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"here": HERE, "out": out},
