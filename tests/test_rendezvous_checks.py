@@ -144,3 +144,22 @@ def test_store_connection_is_retried_within_the_whole_timeout():
         proxy.close()
     assert server.get("over-the-lossy-link") == b"yes"
     assert proxy.dropped >= 2 and time.monotonic() - started < 10.5
+
+
+def test_two_workers_start_over_a_lossy_link(processes):
+    """Worker 1 reaches the chief's store only through the forwarder, which loses every
+    connection for 11 s of the 20 s timeout and 30% of them after: the job still starts
+    (and trains like one process)."""
+    from torch_distribute.cluster.launcher import free_ports
+
+    (port,) = free_ports(1)
+    proxy = LossyProxy(("127.0.0.1", port), refuse_for=11.0, drop=0.3, delay=0.3)
+    try:
+        argv = [JOB, "--timeout", "20"]
+        workers = [processes.spawn(argv, torchrun_env(0, 2, port), "chief"),
+                   processes.spawn(argv, torchrun_env(1, 2, proxy.port), "behind-the-proxy")]
+        reports = H.results_of_clean_exits(processes, workers, 240)
+    finally:
+        proxy.close()
+    assert_matches_one_process(reports)
+    assert proxy.dropped >= 2
