@@ -30,7 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mw_helpers as H  # noqa: E402
 import proc_helpers as P  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups"),
+    # Above the suite's 300 s: each job has its own limit (JOB_SECONDS), Ray's twice it.
+    pytest.mark.timeout(600),
+]
 
 HERE = Path(__file__).resolve().parent
 JOB = str(HERE / "multiworker" / "launcher_job.py")
