@@ -88,11 +88,13 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
 
-    def spawn(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        """``python -u *argv`` from the repository root, output to ``log_dir/<n>-<name>.log``."""
+    def spawn(self, argv: list[str], env: dict[str, str], name: str, python: bool = True) -> subprocess.Popen:
+        """``python -u *argv`` (``argv`` itself with ``python=False``: a launcher such as
+        ``mpirun``) from the repository root, output to ``log_dir/<n>-<name>.log``."""
         log = self.log_dir / f"{len(self.procs)}-{name}.log"
+        command = [sys.executable, "-u", *argv] if python else list(argv)
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-u", *argv], env=env, cwd=REPO,
+            proc = subprocess.Popen(command, env=env, cwd=REPO,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs.append(proc)

@@ -261,7 +261,7 @@ def test_torchrun_environment():
 @pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
 def test_torchrun_missing_variable(name):
     env = {k: v for k, v in TORCHRUN.items() if k != name}
-    with pytest.raises(ClusterConfigError, match=f"{name} is not set"):
+    with pytest.raises(ClusterConfigError, match=f"seen: .*{name} is missing"):
         TorchrunClusterResolver(environ=env)
 
 
@@ -286,7 +286,12 @@ def test_torchrun_optional_local_variables_and_presence():
     r = TorchrunClusterResolver(environ=env)
     assert (r.local_rank, r.local_world_size) == (0, 1)
     assert TorchrunClusterResolver.is_present(env)
-    assert not TorchrunClusterResolver.is_present({"RANK": "0", "WORLD_SIZE": "1"})
+    # RANK or WORLD_SIZE alone is torchrun's (incomplete: the constructor says what is missing);
+    # an address alone describes no cluster.
+    assert TorchrunClusterResolver.is_present({"RANK": "1"})
+    assert not TorchrunClusterResolver.is_present({"MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    single = TorchrunClusterResolver(environ={"RANK": "0", "WORLD_SIZE": "1"})
+    assert (single.num_workers, single.is_chief, single.cluster_spec()) == (1, True, ClusterSpec({}))
 
 
 # -- SLURM --------------------------------------------------------------------------------
@@ -382,7 +387,9 @@ def test_slurm_errors():
 
 def test_slurm_presence():
     assert SlurmClusterResolver.is_present(SLURM)
-    assert SlurmClusterResolver.is_present({"SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a1"})
+    assert SlurmClusterResolver.is_present({"SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a1", "SLURM_STEP_ID": "0"})
+    # A batch script (no srun step) is not a step: see test_launcher_environments.py.
+    assert not SlurmClusterResolver.is_present({"SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a1"})
     assert not SlurmClusterResolver.is_present({"SLURM_PROCID": "0"})
     assert not SlurmClusterResolver.is_present({"SLURM_JOB_NODELIST": "a1"})
 
@@ -394,7 +401,9 @@ def test_resolution_order():
     tf_env = tf_config_env(THREE, {"type": "chief", "index": 0})
     slurm = {**SLURM, "CUDA_VISIBLE_DEVICES": ""}
     assert isinstance(resolve_cluster({**tf_env, **TORCHRUN, **slurm}), TFConfigClusterResolver)
-    assert isinstance(resolve_cluster({**TORCHRUN, **slurm}), TorchrunClusterResolver)
+    # srun torchrun ...: the agent's ranks describe the workers, SLURM's the agents.
+    under_agent = {**TORCHRUN, **slurm, "TORCHELASTIC_RUN_ID": "job"}
+    assert isinstance(resolve_cluster(under_agent), TorchrunClusterResolver)
     assert isinstance(resolve_cluster(slurm), SlurmClusterResolver)
     # A TF_CONFIG without a cluster does not count; torchrun wins.
     no_cluster = tf_config_env(task={"type": "worker", "index": 0})

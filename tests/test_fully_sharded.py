@@ -405,13 +405,19 @@ def test_bad_arguments_are_invalid_arguments(kwargs, match):
 
 
 @pytest.mark.timeout(60)
-def test_already_initialized_torch_distributed_is_refused():
+def test_already_initialized_torch_distributed_is_adopted_and_left_alone():
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=10))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(td.WorkerUnavailableError, match="already initialized"):
-            td.FullyShardedStrategy(cluster_resolver=SimpleClusterResolver({}))
+        strategy = td.FullyShardedStrategy(cluster_resolver=SimpleClusterResolver({}))
+        group = strategy.extended.worker_group
+        assert group.adopted and strategy.num_replicas_in_sync == 1
+        group.close()
         assert dist.is_initialized()  # ours, untouched
+        # A resolver that does not describe the existing group is refused.
+        other = SimpleClusterResolver({"worker": ["a:1", "b:1"]}, "worker", 1)
+        with pytest.raises(td.ClusterConfigError, match="already initialized with 1 processes"):
+            td.FullyShardedStrategy(cluster_resolver=other)
     finally:
         dist.destroy_process_group()
         del store

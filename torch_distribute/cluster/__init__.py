@@ -9,7 +9,8 @@ The base class and TensorFlow's validation are in :mod:`torch_distribute.cluster
 every ``host:port`` address is checked in one place, ``split_address``;
 one module per source of a cluster description: :mod:`~torch_distribute.cluster.tf_config`,
 :mod:`~torch_distribute.cluster.torchrun`, :mod:`~torch_distribute.cluster.slurm_resolver`,
-:mod:`~torch_distribute.cluster.simple`; :mod:`~torch_distribute.cluster.detect` picks one.
+:mod:`~torch_distribute.cluster.slurm_batch`, :mod:`~torch_distribute.cluster.kubeflow`,
+:mod:`~torch_distribute.cluster.mpi`, :mod:`~torch_distribute.cluster.simple`; :mod:`~torch_distribute.cluster.detect` picks one.
 """
 
 from torch_distribute.cluster.base import (
@@ -20,8 +21,12 @@ from torch_distribute.cluster.base import (
 )
 from torch_distribute.cluster.cluster_spec import ClusterSpec, field_path, split_address
 from torch_distribute.cluster.detect import resolve_cluster
+from torch_distribute.cluster.kubeflow import KubeflowClusterResolver
+from torch_distribute.cluster.mpi import MPIClusterResolver
+from torch_distribute.cluster.process_group import ProcessGroupClusterResolver
 from torch_distribute.cluster.simple import SimpleClusterResolver
 from torch_distribute.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from torch_distribute.cluster.slurm_batch import SlurmBatchClusterResolver
 from torch_distribute.cluster.slurm_resolver import SlurmClusterResolver
 from torch_distribute.cluster.tf_config import TFConfigClusterResolver
 from torch_distribute.cluster.torchrun import TorchrunClusterResolver
@@ -33,7 +38,11 @@ __all__ = [
     "ClusterResolver",
     "ClusterSpec",
     "ConfigFields",
+    "KubeflowClusterResolver",
+    "MPIClusterResolver",
+    "ProcessGroupClusterResolver",
     "SimpleClusterResolver",
+    "SlurmBatchClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "TorchrunClusterResolver",

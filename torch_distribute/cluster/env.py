@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from torch_distribute.errors import ClusterConfigError
 
-__all__ = ["env_int", "env_int_value", "environ_or_default", "first_env"]
+__all__ = ["env_int", "env_int_value", "environ_or_default", "first_env", "seen_variables"]
 
 
 def environ_or_default(environ: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -75,3 +75,13 @@ def env_int(
     if maximum is not None and number > maximum:
         raise ClusterConfigError(f"{name}={value!r} is above {maximum}")
     return number
+
+
+def seen_variables(environ: Mapping[str, str], names: tuple[str, ...] | list[str]) -> str:
+    """``NAME='value'`` for each of ``names`` that is set, for error messages.
+
+    >>> seen_variables({"RANK": "1", "X": "2"}, ("RANK", "WORLD_SIZE"))
+    "RANK='1'"
+    """
+    shown = [f"{name}={environ[name]!r}" for name in names if name in environ]
+    return ", ".join(shown) if shown else "none of them"

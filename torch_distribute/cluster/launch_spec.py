@@ -281,8 +281,32 @@ class LaunchSpec:
         return tasks
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``torch-distribute launch`` command line."""
+def _pet_defaults(environ: Mapping[str, str]) -> dict[str, object]:
+    """Option defaults from Kubeflow's ``PET_*`` variables, as torchrun takes them (only
+    plain numbers: an elastic ``PET_NNODES`` or ``PET_NPROC_PER_NODE=auto`` need torchrun).
+
+    >>> _pet_defaults({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "pod0"})
+    {'nnodes': 2, 'node_rank': 1, 'master': 'pod0:29500'}
+    """
+    defaults: dict[str, object] = {}
+    for option, name in (("nproc", "PET_NPROC_PER_NODE"), ("nnodes", "PET_NNODES"), ("node_rank", "PET_NODE_RANK")):
+        text = environ.get(name, "").strip()
+        if text.isdigit():
+            defaults[option] = int(text)
+    host = environ.get("PET_MASTER_ADDR", "").strip()
+    if host:
+        port = environ.get("PET_MASTER_PORT", "").strip() or "29500"
+        defaults["master"] = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return defaults
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``torch-distribute launch`` command line.
+
+    ``--nproc``, ``--nnodes``, ``--node-rank`` and ``--master`` default to Kubeflow's
+    ``PET_NPROC_PER_NODE``, ``PET_NNODES``, ``PET_NODE_RANK`` and
+    ``PET_MASTER_ADDR:PET_MASTER_PORT`` where ``environ`` (default ``os.environ``) has them.
+    """
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Start local worker processes of a training script with the environment "
@@ -314,4 +338,5 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the training script (or module name with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="args",
                         help="arguments for the script")
+    parser.set_defaults(**_pet_defaults(os.environ if environ is None else environ))
     return parser

@@ -1,6 +1,7 @@
 """``SlurmClusterResolver``: the cluster of a SLURM job step (TensorFlow's resolver).
 
-It applies (``is_present``) inside a job step: ``SLURM_PROCID`` and a node list are set.
+It applies (``is_present``) inside a job step started by ``srun``: ``SLURM_PROCID``, a node list
+and a step (``SLURM_STEP_ID``; see :mod:`~torch_distribute.cluster.slurm_batch`) are set.
 Node lists and tasks-per-node lists are expanded by :mod:`torch_distribute.cluster.slurm`.
 
 >>> env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
@@ -22,6 +23,7 @@ from torch_distribute.cluster.base import ClusterResolver
 from torch_distribute.cluster.cluster_spec import ClusterSpec
 from torch_distribute.cluster.env import env_int, env_int_value, environ_or_default, first_env
 from torch_distribute.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from torch_distribute.cluster.slurm_batch import in_srun_step
 from torch_distribute.errors import ClusterConfigError
 
 __all__ = ["SlurmClusterResolver"]
@@ -270,7 +272,7 @@ class SlurmClusterResolver(ClusterResolver):
         """True when ``SLURM_PROCID`` and a node list are set (inside a SLURM step)."""
         env = environ_or_default(environ)
         nodelist = first_env(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-        return bool(env.get("SLURM_PROCID")) and nodelist is not None
+        return bool(env.get("SLURM_PROCID")) and nodelist is not None and in_srun_step(env)
 
     def cluster_spec(self) -> ClusterSpec:
         cluster: dict[str, list[str]] = {}

@@ -1,7 +1,9 @@
 """``TorchrunClusterResolver``: the environment ``torchrun`` gives each worker.
 
-It applies (``is_present``) when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are all set,
-as under ``torchrun`` and ``torch-distribute launch`` (its default ``--env torchrun``).
+It applies (``is_present``) when ``RANK`` or ``WORLD_SIZE`` is set, as under ``torchrun``,
+``torch-distribute launch`` (its default ``--env torchrun``), Kubeflow's PyTorchJob, Ray Train
+and ``accelerate launch``; the four of ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT`` must then all be set (``WORLD_SIZE=1`` may leave out the address).
 
 >>> env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
 >>> TorchrunClusterResolver.is_present(env)
@@ -18,7 +20,7 @@ from collections.abc import Mapping
 
 from torch_distribute.cluster.base import ClusterResolver, ConfigFields
 from torch_distribute.cluster.cluster_spec import ClusterSpec, split_address
-from torch_distribute.cluster.env import env_int, environ_or_default
+from torch_distribute.cluster.env import env_int, environ_or_default, seen_variables
 from torch_distribute.errors import ClusterConfigError
 
 __all__ = ["TorchrunClusterResolver"]
@@ -34,6 +36,29 @@ def _is_ipv6(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_complete(env: Mapping[str, str]) -> None:
+    """``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` come together (a job of
+    one worker may leave out the address); otherwise a ``ClusterConfigError`` naming what was
+    seen and what is missing, never a worker that silently trains alone."""
+    present = {name for name in _REQUIRED if env.get(name, "").strip()}
+    world = env.get("WORLD_SIZE", "").strip()
+    needed = ("RANK", "WORLD_SIZE") if world == "1" else _REQUIRED
+    missing = [name for name in needed if name not in present]
+    if not missing:
+        return
+    raise ClusterConfigError(
+        f"torchrun's variables are incomplete (seen: {seen_variables(env, _REQUIRED + _OPTIONAL)}): "
+        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing. A multi-worker job "
+        "needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in every worker (torchrun and "
+        "torch-distribute launch set them all); for a single-process run, unset "
+        f"{' and '.join(sorted(present & {'RANK', 'WORLD_SIZE'}))}"
+    )
+
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_OPTIONAL = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 class TorchrunClusterResolver(ClusterResolver):
@@ -68,6 +93,7 @@ class TorchrunClusterResolver(ClusterResolver):
     ) -> None:
         super().__init__(rpc_layer=rpc_layer, environ=environ)
         env = self.environ
+        _check_complete(env)
         self._world_size = env_int(env, "WORLD_SIZE", minimum=1, hint=self._HINT)
         self._rank = env_int(env, "RANK", minimum=0, hint=self._HINT)
         if self._rank >= self._world_size:
@@ -83,6 +109,9 @@ class TorchrunClusterResolver(ClusterResolver):
             )
         raw_addr = env.get("MASTER_ADDR", "")
         master_addr = raw_addr.strip()
+        self._master_addr: str | None = None
+        if not master_addr and self._world_size == 1:
+            return  # a job of one worker: nobody has to find it
         if not master_addr:
             raise ClusterConfigError(f"environment variable MASTER_ADDR is not set{self._HINT}")
         if master_addr.startswith("[") and master_addr.endswith("]"):
@@ -101,11 +130,14 @@ class TorchrunClusterResolver(ClusterResolver):
 
     @classmethod
     def is_present(cls, environ: Mapping[str, str] | None = None) -> bool:
-        """True when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are all set."""
+        """True when ``RANK`` or ``WORLD_SIZE`` is set: a launcher of torchrun's kind started
+        this process (the constructor reports what else is missing)."""
         env = environ_or_default(environ)
-        return all(env.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+        return any(env.get(name, "").strip() for name in ("RANK", "WORLD_SIZE"))
 
     def cluster_spec(self) -> ClusterSpec:
+        if self._master_addr is None:
+            return ClusterSpec({})
         first = _format_host_port(self._master_addr, self._master_port)
         return ClusterSpec({"worker": [first] + [f"rank{i}" for i in range(1, self._world_size)]})
 
@@ -137,6 +169,9 @@ class TorchrunClusterResolver(ClusterResolver):
         return self._local_world_size
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """``(MASTER_ADDR, MASTER_PORT)``."""
+        """``(MASTER_ADDR, MASTER_PORT)`` (any free local port for a job of one worker
+        without ``MASTER_ADDR``)."""
         self.validate()
+        if self._master_addr is None:
+            return super().rendezvous_address()
         return self._master_addr, self._master_port

@@ -40,13 +40,15 @@ import torch.distributed as dist
 # exit ("terminate called without an active exception") happened.
 import torch.distributed.nn.functional  # noqa: F401
 
-from torch_distribute.collectives import exchange, fingerprint, network
+from torch_distribute.collectives import exchange, fingerprint, network, rendezvous_views
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
 from torch_distribute.collectives.packing import apply_packed_
+from torch_distribute.collectives.store_connect import connect_store
 from torch_distribute.errors import (
+    ClusterConfigError,
     InvalidArgumentError,
     ReplicaMismatchError,
     WorkerUnavailableError,
@@ -88,6 +90,13 @@ class MissingWorkers(NamedTuple):
 class WorkerGroup:
     """This process's membership in a job of ``world_size`` workers.
 
+    ``strategy`` (the strategy's class name) is part of what the workers compare at the
+    rendezvous (``rendezvous_views.py``); ``peer_addresses`` (each worker's address, where
+    known) names the missing ones while waiting. When ``torch.distributed`` is already
+    initialized (Ray Train, accelerate, the user's own ``init_process_group``), its group is
+    adopted (``adopted``): ``world_size``/``rank`` must be its own, the collectives run on
+    groups made from it, and ``close`` destroys only those.
+
     >>> # group = WorkerGroup("127.0.0.1", 29500, world_size=2, rank=0, options=CommunicationOptions())
     """
 
@@ -99,8 +108,13 @@ class WorkerGroup:
         rank: int,
         options: CommunicationOptions,
         gpus: Sequence[str] = (),
+        *,
+        strategy: str = "",
+        peer_addresses: Sequence[str] = (),
     ):
         self.host, self.port = host, port
+        self._strategy = strategy
+        self._peer_addresses = tuple(peer_addresses)
         self.world_size, self.rank = world_size, rank
         self.options = options
         self._timeout = datetime.timedelta(seconds=options.timeout)
@@ -120,11 +134,16 @@ class WorkerGroup:
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
-        if dist.is_initialized():
-            raise WorkerUnavailableError(
-                "torch.distributed is already initialized in this process; create the "
-                "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
-            )
+        self.adopted = dist.is_initialized()
+        if self.adopted:
+            self._adopt(gpus)
+        else:
+            self._start(gpus)
+        atexit.register(self._at_exit)
+
+    def _start(self, gpus: Sequence[str]) -> None:
+        """Rendezvous at the chief's store, then make the process group and ours."""
+        options, rank, world_size, host = self.options, self.rank, self.world_size, self.host
         self.store = self._rendezvous()
         # Heartbeats from here on: a worker that dies during the rest of the start-up is named.
         self._heartbeat.start()
@@ -142,7 +161,56 @@ class WorkerGroup:
         except BaseException:
             self._heartbeat_stop.set()
             raise
-        atexit.register(self._at_exit)
+
+    def _adopt(self, gpus: Sequence[str]) -> None:
+        """Join a process group made by someone else: our collective group and a store of our
+        own (for heartbeats and the rendezvous checks) made from it, then the gradient group."""
+        _check_adoptable(self.world_size, self.rank)
+        backend = _backend(self.options.implementation, bool(gpus), None)
+        self.uses_nccl = "nccl" in backend
+        self._main_group = self._adoption_step(
+            "the strategy's process group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
+        chief = self.rank == 0
+        if chief:
+            self.port = 0  # a free port: the existing group's store may hold the cluster's port
+            self.store = self._connect_store(hosts_store=True)
+        self.host, self.port = self._adoption_step("the address of the chief's store", self._share_store_address)
+        if not chief:
+            self.store = self._connect_store(hosts_store=False)
+        self._meet(self.store, hosts_store=chief)
+        self._heartbeat.start()
+        try:
+            self.gradient_group = self._start_up_step(
+                "start-up: the gradient group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
+        except BaseException:
+            self._heartbeat_stop.set()
+            raise
+
+    def _adoption_step(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` (a collective over the adopted group) within the deadline; the error
+        says that some process of the group did not create the strategy."""
+        seconds = self.options.timeout + self._store_deadline
+        try:
+            return self._within(call, seconds)
+        except Exception as error:  # noqa: BLE001 - translated with what to check
+            reason = f"no answer within {seconds:.0f} s" if isinstance(error, TimeoutError) else \
+                f"{type(error).__name__}: {error}"
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} of the existing process group ({self.world_size} processes) could "
+                f"not make {what} together with the others ({reason}): every process of the group must "
+                "create the strategy, in the same order. Collectives wait at most "
+                f"{self.options.timeout:.0f} s (CommunicationOptions(timeout_seconds=...))."
+            ) from error
+
+    def _share_store_address(self) -> tuple[str, int]:
+        """The chief's ``(host, port)`` of its store, broadcast over our group."""
+        payload = torch.zeros(512, dtype=torch.uint8)
+        if self.rank == 0:
+            text = json.dumps([self.host, self.port]).encode()
+            payload[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self._main_group)
+        host, port = json.loads(bytes(payload.tolist()).rstrip(b"\0"))
+        return str(host), int(port)
 
     def _start_up_step(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()``, given ``timeout_seconds`` plus a heartbeat interval: a chief that stops
@@ -177,21 +245,24 @@ class WorkerGroup:
 
     def _rendezvous(self) -> dist.TCPStore:
         """Meet at the chief's TCPStore; name the workers that did not turn up in time."""
-        timeout = self.options.timeout
         # Under torchrun the elastic agent already serves the store at MASTER_PORT.
         hosts_store = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = self._connect_store(hosts_store)
+        self._meet(store, hosts_store)
+        return store
+
+    def _connect_store(self, hosts_store: bool) -> dist.TCPStore:
+        """Host the store (the chief), or connect to it, retried within the whole timeout."""
+        timeout = self.options.timeout
         try:
             if hosts_store:
                 store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
                                       timeout=self._timeout, wait_for_workers=False)
                 self.port = store.port  # port 0 (a single local worker) picks a free one
             else:
-                # The client retries once after a random back-off as long as its timeout: give
-                # each attempt half, so the whole wait stays within timeout_seconds. A chief
-                # stopped after making its store accepts the connection and never answers.
-                store = self._within(lambda: dist.TCPStore(
-                    self.host, self.port, self.world_size, is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout / 2)), timeout + self._store_deadline)
+                # A stopped chief accepts the connection and never answers: bounded here too.
+                store = self._within(lambda: connect_store(self.host, self.port, self.world_size, timeout),
+                                     timeout + self._store_deadline)
                 store.set_timeout(self._timeout)
         except Exception as error:  # noqa: BLE001 - rewrapped with what to check
             raise WorkerUnavailableError(
@@ -199,25 +270,50 @@ class WorkerGroup:
                 f"within {timeout:.0f} s ({error}). Check that the chief is running and that every "
                 "worker was started with the same cluster configuration."
             ) from error
-        joined = [f"{_JOINED_PREFIX}{r}" for r in range(self.world_size)]
+        return store
+
+    def _peer_name(self, rank: int) -> str:
+        address = self._peer_addresses[rank] if rank < len(self._peer_addresses) else ""
+        return f"worker {rank} at {address}" if ":" in address else f"worker {rank}"
+
+    def _meet(self, store: dist.TCPStore, hosts_store: bool) -> None:
+        """Every worker publishes its view of the job and waits for all the others
+        (``rendezvous_views.py``): a disagreement raises ``ClusterConfigError`` at once."""
+        timeout = self.options.timeout
+        view = rendezvous_views.own_view(self.world_size, self.rank, f"{self.host}:{self.port}", self._strategy)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives an attempt
+        views = rendezvous_views.ViewExchange(store, view, hosts_store, self._peer_name, namespace=attempt)
+        deadline = time.monotonic() + timeout
+
+        def meet() -> set[int]:
+            store.set(f"{_JOINED_PREFIX}{self.rank}", "1")
+            views.publish()
+            return views.wait_all(deadline)
+
         try:
-            self._within(lambda: (store.set(joined[self.rank], "1"), store.wait(joined, self._timeout)),
-                         timeout + self._store_deadline)
+            joined = self._within(meet, timeout + self._store_deadline)
+        except ClusterConfigError:
+            raise
         except TimeoutError as error:
             raise WorkerUnavailableError(
                 f"Worker {self.rank} reached the chief's store at {self.host}:{self.port}, but it "
                 f"stopped answering (no reply within {timeout + self._store_deadline:.0f} s): worker 0 "
                 "(the chief) is stopped or cut off. Restart the job."
             ) from error
-        except Exception as error:  # noqa: BLE001 - rewrapped with the missing ranks
-            missing = [r for r, key in enumerate(joined) if not store.check([key])]
+        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} lost the chief's store at {self.host}:{self.port} while waiting "
+                f"for the other workers ({type(error).__name__}: {error}): worker 0 (the chief) exited "
+                "or is unreachable."
+            ) from error
+        missing = [rank for rank in range(self.world_size) if rank not in joined]
+        if missing:
             raise WorkerUnavailableError(
                 f"Worker {self.rank} waited {timeout:.0f} s at {self.host}:{self.port} for all "
-                f"{self.world_size} workers, but worker(s) {', '.join(map(str, missing))} never "
+                f"{self.world_size} workers, but {', '.join(self._peer_name(r) for r in missing)} never "
                 "joined. Start every worker (same cluster configuration), or raise "
                 "CommunicationOptions(timeout_seconds=...)."
-            ) from error
-        return store
+            )
 
     def _gpus_shared_with_others(self, gpus: Sequence[str]) -> str | None:
         """Which other worker drives one of ``gpus`` (the physical GPUs of this worker), if any."""
@@ -234,8 +330,9 @@ class WorkerGroup:
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:
         try:
-            client = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 2 + 1))
+            # Retried like the main connection (a lost connection attempt must not silence it),
+            # within the time _stop_heartbeat waits for this thread.
+            client = connect_store(self.host, self.port, self.world_size, self._heartbeat_interval * 2 + 1)
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
         self._heartbeat_client = client
@@ -427,7 +524,7 @@ class WorkerGroup:
         if not self._verify:
             self._collectives += 1
             mine = torch.tensor([int(flag)])
-            self._wait(what, lambda: dist.all_reduce(mine, async_op=True))
+            self._wait(what, lambda: dist.all_reduce(mine, group=self._main_group, async_op=True))
             return bool(mine[0] > 0)
         agreement = self._start_exchange("any_true", what, None, None, b"\x01" if flag else b"\x00")
         return any(payload[0] for payload in self._finish_exchange(agreement))
@@ -492,7 +589,7 @@ class WorkerGroup:
         self._failed = True
         mine = f"{description} at {fingerprint.call_site()}"
         calls: list[Any] = [None] * self.world_size
-        self._wait("the exchange of mismatched collectives", lambda: dist.all_gather_object(calls, mine))
+        self._wait("the exchange of mismatched collectives", lambda: dist.all_gather_object(calls, mine, group=self._main_group))
         listing = "; ".join(f"worker {rank}: {call}" for rank, call in enumerate(calls))
         raise ReplicaMismatchError(
             f"The workers called different collectives at the same point (collective "
@@ -529,7 +626,7 @@ class WorkerGroup:
             return tensor.copy_(exchange.combine(self._finish_exchange(agreement), op, tensor))
         self.agree(f"all_reduce {op}", what, tensor)
         target = self._comm_tensor(tensor)
-        self._wait(what, lambda: dist.all_reduce(target, op=op, async_op=True))
+        self._wait(what, lambda: dist.all_reduce(target, op=op, group=self._main_group, async_op=True))
         if target is not tensor:
             tensor.copy_(target)
         return tensor
@@ -537,7 +634,7 @@ class WorkerGroup:
     def broadcast_(self, tensor: torch.Tensor, src: int = 0, what: str = "broadcast") -> torch.Tensor:
         self.agree(f"broadcast from {src}", what, tensor)
         target = self._comm_tensor(tensor)
-        self._wait(what, lambda: dist.broadcast(target, src=src, async_op=True))
+        self._wait(what, lambda: dist.broadcast(target, src=src, group=self._main_group, async_op=True))
         if target is not tensor:
             tensor.copy_(target)
         return tensor
@@ -546,7 +643,7 @@ class WorkerGroup:
         """Small Python values from every worker, in rank order (start-up checks only)."""
         self.agree("all_gather_objects", what)
         out: list[Any] = [None] * self.world_size
-        self._wait(what, lambda: dist.all_gather_object(out, value))
+        self._wait(what, lambda: dist.all_gather_object(out, value, group=self._main_group))
         return out
 
     def all_gather_along(self, tensor: torch.Tensor, axis: int, what: str = "gather") -> torch.Tensor:
@@ -560,7 +657,7 @@ class WorkerGroup:
         else:
             self._collectives += 1
             all_sizes = [torch.zeros_like(sizes) for _ in range(self.world_size)]
-            self._wait(what, lambda: dist.all_gather(all_sizes, sizes, async_op=True))
+            self._wait(what, lambda: dist.all_gather(all_sizes, sizes, group=self._main_group, async_op=True))
             counts = [int(s[0]) for s in all_sizes]
         longest = max(counts)
         padded = tensor
@@ -570,7 +667,7 @@ class WorkerGroup:
             padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=axis)
         padded = self._comm_tensor(padded.contiguous())
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._wait(what, lambda: dist.all_gather(pieces, padded, async_op=True))
+        self._wait(what, lambda: dist.all_gather(pieces, padded, group=self._main_group, async_op=True))
         return torch.cat([p.narrow(axis, 0, n).to(tensor.device) for p, n in zip(pieces, counts, strict=True)], dim=axis)
 
     def broadcast_packed_(self, tensors: list[torch.Tensor], src: int = 0, what: str = "broadcast") -> None:
@@ -600,9 +697,13 @@ class WorkerGroup:
         # No reference of ours may keep a process group alive past destroy_process_group: its
         # connections must close now (peers learn at once that this worker left) and its C++
         # threads must not outlive the interpreter's teardown.
+        own_groups = (self._main_group, self.gradient_group)
         self._main_group = self.gradient_group = None
-        if dist.is_initialized():
+        if self.adopted:
+            _destroy_groups(own_groups)  # the adopted group is its maker's to destroy
+        elif dist.is_initialized():
             dist.destroy_process_group()
+        del own_groups
         # Let the stores' C++ objects (the chief's server thread, the heartbeat client) be
         # destroyed now, while the interpreter is whole, not during its teardown.
         self._heartbeat_client = None
@@ -651,6 +752,24 @@ def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:
         call(*args)
     except Exception:  # noqa: BLE001 - best effort: the store may be gone
         pass
+
+
+def _check_adoptable(world_size: int, rank: int) -> None:
+    """The initialized default group must be the job this worker was told about."""
+    actual_world, actual_rank = dist.get_world_size(), dist.get_rank()
+    if (actual_world, actual_rank) != (world_size, rank):
+        raise ClusterConfigError(
+            f"torch.distributed is already initialized with {actual_world} processes (this one is "
+            f"rank {actual_rank}), but the cluster resolver makes this worker {rank} of {world_size}: "
+            "pass no cluster_resolver to use the existing process group, or one that describes it"
+        )
+
+
+def _destroy_groups(groups: Sequence[Any]) -> None:
+    """Destroy the groups this module made over an adopted group (never the default group)."""
+    for group in groups:
+        if group is not None and group is not dist.group.WORLD and dist.is_initialized():
+            _ignore_errors(dist.destroy_process_group, group)
 
 
 def _choose_gloo_interface(backend: str, chief_host: str) -> None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from torch_distribute.cluster import ClusterResolver, ProcessGroupClusterResolver, resolve_cluster
 from torch_distribute.collectives.worker_group import WorkerGroup
+from torch_distribute.errors import ClusterConfigError
 
 _DATA_AGREEMENT = "input agreement (does any worker still have data?)"
 
@@ -57,3 +60,40 @@ class AcrossWorkers:
     def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
         group = self._peers()
         return [obj] if group is None else group.all_gather_objects(obj, what=what)
+
+
+def strategy_cluster(cluster_resolver: ClusterResolver | None) -> ClusterResolver:
+    """The cluster a strategy with one process per worker runs on.
+
+    When ``torch.distributed`` is already initialized (Ray Train, accelerate, Lightning, the
+    user's own ``init_process_group``), that group's world size and rank: a given
+    ``cluster_resolver`` must agree with them. Otherwise ``cluster_resolver``, else the
+    environment's (``resolve_cluster()``).
+
+    Raises:
+        ClusterConfigError: the given resolver disagrees with the existing group, or the
+            environment is incomplete or inconsistent.
+    """
+    if dist.is_available() and dist.is_initialized():
+        adopted = ProcessGroupClusterResolver.from_initialized()
+        if cluster_resolver is None:
+            return adopted
+        given = (cluster_resolver.num_workers, cluster_resolver.worker_index)
+        if given != (adopted.num_workers, adopted.worker_index):
+            raise ClusterConfigError(
+                f"torch.distributed is already initialized with {adopted.num_workers} processes (this "
+                f"one is rank {adopted.worker_index}), but cluster_resolver makes this worker "
+                f"{given[1]} of {given[0]}: pass no cluster_resolver to use the existing group"
+            )
+        return cluster_resolver
+    resolver = cluster_resolver or resolve_cluster()
+    resolver.validate()
+    return resolver
+
+
+def peer_addresses(resolver: ClusterResolver) -> list[str]:
+    """Each worker's address in worker-index order (chief first), where the cluster lists
+    real ones: what the "waiting for workers" line names."""
+    spec = resolver.cluster_spec()
+    return [spec.task_address(job, index) for job in ("chief", "worker") if job in spec.jobs
+            for index in spec.task_indices(job)]

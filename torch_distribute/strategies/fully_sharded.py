@@ -27,13 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_distribute.cluster import ClusterResolver, resolve_cluster
+from torch_distribute.cluster import ClusterResolver
 from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize, gpu_identity
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies.across_workers import AcrossWorkers
+from torch_distribute.strategies.across_workers import (
+    AcrossWorkers,
+    peer_addresses,
+    strategy_cluster,
+)
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.multi_worker_mirrored import default_worker_devices
@@ -113,6 +117,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         self._group = WorkerGroup(
             host, port, self._num_workers, self._worker_index, options,
             gpus=[gpu_identity(device)] if device.is_cuda else [],
+            strategy=type(strategy).__name__, peer_addresses=peer_addresses(resolver),
         )
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
         # FSDP2's collectives run inside forward and backward: each forward, optimizer step,
@@ -427,9 +432,7 @@ class FullyShardedStrategy(Strategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         device: DeviceLike | None = None,
     ):
-        resolver = cluster_resolver or resolve_cluster()
-        if hasattr(resolver, "validate"):
-            resolver.validate()
+        resolver = strategy_cluster(cluster_resolver)
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise InvalidArgumentError(
@@ -447,11 +450,6 @@ class FullyShardedStrategy(Strategy):
                 f"{type(mixed_precision).__name__}."
             )
         chosen = canonicalize(device) if device is not None else default_worker_devices(resolver)[0]
-        if dist.is_initialized():
-            raise WorkerUnavailableError(
-                "torch.distributed is already initialized in this process; create the "
-                "FullyShardedStrategy before any other process group (or destroy it first)."
-            )
         self._cluster_resolver = resolver
         super().__init__(FullyShardedExtended(
             self, chosen, resolver, options, shard_policy, reshard_after_forward,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_distribute.cluster import ClusterResolver, resolve_cluster
+from torch_distribute.cluster import ClusterResolver
 from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import (
@@ -28,7 +28,11 @@ from torch_distribute.devices import (
 )
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies.across_workers import AcrossWorkers
+from torch_distribute.strategies.across_workers import (
+    AcrossWorkers,
+    peer_addresses,
+    strategy_cluster,
+)
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
@@ -58,6 +62,7 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             self._group = WorkerGroup(
                 host, port, self._num_workers, self._worker_index, options,
                 gpus=sorted({gpu_identity(d) for d in devices if d.is_cuda}),
+                strategy=type(strategy).__name__, peer_addresses=peer_addresses(resolver),
             )
             counts = self._group.all_gather_objects(len(devices), what="start-up check")
             if len(set(counts)) != 1:
@@ -127,10 +132,13 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over worker processes (one per machine or per GPU).
 
-    The cluster comes from ``cluster_resolver``, else ``TF_CONFIG``, else torchrun's
-    environment, else SLURM; with none, a single local worker. Start the same script once
-    per worker (``torch-distribute launch --nproc 2 train.py``, torchrun, or a TF_CONFIG per
-    process).
+    The cluster comes from an existing ``torch.distributed`` process group (Ray Train,
+    accelerate, the user's own ``init_process_group``: its world and rank are used and it is
+    never destroyed here), else ``cluster_resolver``, else the environment
+    (``resolve_cluster``: ``TF_CONFIG``, torchrun's variables, MPI, SLURM, Kubeflow); with
+    none, a single local worker. Start the same script once per worker
+    (``torch-distribute launch --nproc 2 train.py``, torchrun, mpirun, srun, or a TF_CONFIG
+    per process); see ``docs/launchers.md``.
 
     >>> import torch_distribute as td
     >>> strategy = td.MultiWorkerMirroredStrategy()   # no cluster: one local worker
@@ -144,9 +152,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         devices: Sequence[DeviceLike] | None = None,
     ):
-        resolver = cluster_resolver or resolve_cluster()
-        if hasattr(resolver, "validate"):
-            resolver.validate()
+        resolver = strategy_cluster(cluster_resolver)
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise InvalidArgumentError(
