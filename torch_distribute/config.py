@@ -11,6 +11,10 @@ replica on its own CUDA stream; copies, not NCCL, between replicas that share a 
 >>> # td.config.set_logical_device_configuration(gpu, [td.config.LogicalDeviceConfiguration()] * 2)
 >>> # td.MirroredStrategy().num_replicas_in_sync   # 2, on the one GPU
 
+The library's own checks are switched here too, for every strategy (a strategy's own setting,
+``strategy.set_loss_scaling_check``, wins): ``set_loss_scaling_check(False)`` accepts a loss
+averaged over one replica's batch inside ``strategy.run`` (``docs/common-mistakes.md``).
+
 Differences from TensorFlow: the configuration may change at any time (strategies made
 before keep their devices); ``memory_limit`` (MiB) is the same for every logical GPU of a
 physical one and their sum caps this process on that GPU
@@ -35,9 +39,11 @@ __all__ = [
     "LogicalDeviceConfiguration",
     "PhysicalDevice",
     "get_logical_device_configuration",
+    "get_loss_scaling_check",
     "list_logical_devices",
     "list_physical_devices",
     "set_logical_device_configuration",
+    "set_loss_scaling_check",
 ]
 
 _DEVICE_TYPES = ("CPU", "GPU")
@@ -163,3 +169,30 @@ def get_logical_device_configuration(device: PhysicalDevice | str) -> list[Logic
         return None if _cpu_configuration is None else list(_cpu_configuration)
     configurations = _gpu_configurations.get(physical.index)
     return None if configurations is None else list(configurations)
+
+
+# -- the library's checks ----------------------------------------------------------------------
+_loss_scaling_check = True
+
+
+def set_loss_scaling_check(enabled: bool) -> None:
+    """Whether ``backward()`` inside ``strategy.run`` with several replicas refuses a loss
+    averaged over the replica's own batch (``td.LossScalingError``); on by default.
+
+    Turn it off only for a per-replica mean you chose knowingly: the update is then
+    ``num_replicas_in_sync`` times the one-device update.
+
+    >>> set_loss_scaling_check(False)
+    >>> get_loss_scaling_check()
+    False
+    >>> set_loss_scaling_check(True)
+    """
+    global _loss_scaling_check
+    if not isinstance(enabled, bool):
+        raise InvalidArgumentError(f"set_loss_scaling_check takes True or False, got {enabled!r}.")
+    _loss_scaling_check = enabled
+
+
+def get_loss_scaling_check() -> bool:
+    """What ``set_loss_scaling_check`` last set (True by default)."""
+    return _loss_scaling_check

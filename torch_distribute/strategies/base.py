@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_distribute import compiled_function, context, nest
+from torch_distribute import compiled_function, config, context, nest
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import ContextError, InvalidArgumentError, InvalidAxisError
 from torch_distribute.input import (
@@ -64,7 +64,7 @@ from torch_distribute.input import (
     ValueContext,
 )
 from torch_distribute.reduce_op import ReduceOp
-from torch_distribute.strategies import interception
+from torch_distribute.strategies import interception, loss_scaling
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.values import (
     DistributedValues,
@@ -88,6 +88,7 @@ class Strategy:
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
+        self._loss_scaling_check: bool | None = None
         interception.install()
         interception.register_strategy(self)
 
@@ -107,6 +108,30 @@ class Strategy:
     @property
     def cluster_resolver(self) -> Any:
         return None
+
+    # -- checks ------------------------------------------------------------------------------
+    def set_loss_scaling_check(self, enabled: bool | None) -> None:
+        """Whether ``backward()`` inside this strategy's ``run`` refuses a loss averaged over
+        the replica's own batch (``td.LossScalingError``); ``None`` follows
+        ``td.config.set_loss_scaling_check`` (on by default). See ``docs/common-mistakes.md``.
+
+        >>> import torch_distribute as td
+        >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.set_loss_scaling_check(False)   # a per-replica mean, knowingly
+        >>> strategy.loss_scaling_check
+        False
+        """
+        if enabled is not None and not isinstance(enabled, bool):
+            raise InvalidArgumentError(f"set_loss_scaling_check takes True, False or None, got {enabled!r}.")
+        self._loss_scaling_check = enabled
+
+    @property
+    def loss_scaling_check(self) -> bool:
+        """Whether a loss averaged over one replica's batch is refused (see
+        ``set_loss_scaling_check``)."""
+        if self._loss_scaling_check is not None:
+            return self._loss_scaling_check
+        return config.get_loss_scaling_check()
 
     # -- scope -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -158,6 +183,8 @@ class Strategy:
                 "directly (it already runs once per replica)."
             )
         replica_fn = compiled_function.for_replicas(fn, self._extended.replica_devices)
+        if self.num_replicas_in_sync > 1:
+            replica_fn = loss_scaling.with_replica_inputs(replica_fn)
         return self._extended.call_for_each_replica(replica_fn, tuple(args), kwargs or {})
 
     # -- reductions -------------------------------------------------------------------------
