@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -128,9 +128,7 @@ def check_backward(strategy: Any, num_replicas: int, tensors: Any, grad_tensors:
     inputs = _replica_inputs.get()
     if inputs is None:
         return
-    sizes = batch_sizes(inputs)
-    if not sizes:
-        return
+    sizes = _LazySizes(inputs)  # read only if a mean is found: correct losses never pay for it
     for loss in _as_tuple(tensors):
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or loss.numel() != 1:
             continue
@@ -139,10 +137,22 @@ def check_backward(strategy: Any, num_replicas: int, tensors: Any, grad_tensors:
             raise LossScalingError(_message(found, num_replicas))
 
 
-def describe_local_mean(loss: torch.Tensor, num_replicas: int, sizes: Iterable[int]) -> str | None:
+class _LazySizes:
+    """``batch_sizes(inputs)``, computed on the first ``in``."""
+
+    def __init__(self, inputs: Any):
+        self._inputs = inputs
+        self._sizes: set[int] | None = None
+
+    def __contains__(self, size: object) -> bool:
+        if self._sizes is None:
+            self._sizes = batch_sizes(self._inputs)
+        return size in self._sizes
+
+
+def describe_local_mean(loss: torch.Tensor, num_replicas: int, sizes: Container[int]) -> str | None:
     """What averages ``loss`` over a batch of one of ``sizes`` without a division by
     ``num_replicas`` on the way, or ``None``."""
-    sizes = set(sizes)
     # (node, whether the path from the loss divides by the replicas, the numbers it divided by)
     stack: list[tuple[Any, bool, float]] = [(loss.grad_fn, False, 1.0)]
     seen = 0
@@ -210,7 +220,7 @@ def _is_multiple(divisor: float, num_replicas: int) -> bool:
     return ratio >= 1 - 1e-6 and abs(ratio - round(ratio)) <= 1e-6 * ratio
 
 
-def _mean_over_batch(node: Any, sizes: set[int]) -> bool:
+def _mean_over_batch(node: Any, sizes: Container[int]) -> bool:
     shape = tuple(getattr(node, "_saved_self_sym_sizes", ()))
     if not shape or int(shape[0]) not in sizes:
         return False
