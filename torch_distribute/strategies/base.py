@@ -72,6 +72,7 @@ from torch_distribute.values import (
     PerReplica,
     check_reducible,
     check_same_layout,
+    exact_tensor,
 )
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -218,9 +219,9 @@ class Strategy:
     def _check_components(self, what: str, leaf: Any, axis: int | None, *, gather: bool = False) -> None:
         """Axis in range and the replicas' components alike (shapes and dtypes, no data)."""
         if isinstance(leaf, DistributedValues):
-            components = [torch.as_tensor(v) for v in leaf.values]
+            components = [exact_tensor(v) for v in leaf.values]
         else:
-            components = [torch.as_tensor(leaf)]
+            components = [exact_tensor(leaf)]
         if gather:
             components = [c.unsqueeze(0) if c.dim() == 0 else c for c in components]
         if axis is not None:
