@@ -165,8 +165,10 @@ class Strategy:
         """Call ``fn(*args, **kwargs)`` once per replica; return per-replica results.
 
         ``PerReplica`` arguments (from a distributed dataset) give each replica its own
-        component. Returns a nest of ``PerReplica`` (or the plain value when every replica
-        returned the very same object).
+        component. Returns a nest of ``PerReplica``: a tensor or a Python number from every
+        replica is always one (even when it is one object), unless the strategy mirrored it
+        (a parameter made in ``scope()``, a merge_call's result); another object that every
+        replica returned (``None``, a string) is returned as it is.
         """
         if not isinstance(args, (tuple, list)) or isinstance(args, str):
             raise InvalidArgumentError(
