@@ -238,6 +238,7 @@ def _habits_job(tmp_path: Path, *extra: str) -> dict[int, dict]:
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
 def test_multi_worker_mirrored_two_workers(tmp_path):
+    """The loss check, and (same job, to start it once) a NaN in one worker's batch."""
     reports = _habits_job(tmp_path)
     batches = _data()
     for rank in range(2):
@@ -251,6 +252,15 @@ def test_multi_worker_mirrored_two_workers(tmp_path):
     twice = _one_device(batches, mean, then=[(batches[0], lambda m, x, y: 2 * mean(m, x, y))])
     for rank in range(2):
         torch.testing.assert_close(torch.tensor(reports[rank]["after_opt_out"]), twice)
+    # One NaN in worker 1's rows of the third batch: both workers warn once, naming it.
+    for rank in range(2):
+        report = reports[rank]
+        assert len(report["warn_warnings"]) == 1, report["warn_warnings"]
+        text = report["warn_warnings"][0]
+        assert "optimizer step 3 (SGD)" in text and "replica 1 (worker 1): loss nan" in text, text
+        assert not report["warn_params_finite"]  # warned, as asked; the update spread it
+        assert "optimizer step 3 (SGD)" in report["raise_error"] and "replica 1 (worker 1)" in report["raise_error"]
+        assert report["raise_params_finite"]  # stopped before the update
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")

@@ -13,7 +13,8 @@ replica on its own CUDA stream; copies, not NCCL, between replicas that share a 
 
 The library's own checks are switched here too, for every strategy (a strategy's own setting,
 ``strategy.set_loss_scaling_check``, wins): ``set_loss_scaling_check(False)`` accepts a loss
-averaged over one replica's batch inside ``strategy.run`` (``docs/common-mistakes.md``).
+averaged over one replica's batch inside ``strategy.run`` (``docs/common-mistakes.md``);
+``set_nonfinite_check("warn" | "raise" | "off")`` says what a non-finite gradient does.
 
 Differences from TensorFlow: the configuration may change at any time (strategies made
 before keep their devices); ``memory_limit`` (MiB) is the same for every logical GPU of a
@@ -40,10 +41,12 @@ __all__ = [
     "PhysicalDevice",
     "get_logical_device_configuration",
     "get_loss_scaling_check",
+    "get_nonfinite_check",
     "list_logical_devices",
     "list_physical_devices",
     "set_logical_device_configuration",
     "set_loss_scaling_check",
+    "set_nonfinite_check",
 ]
 
 _DEVICE_TYPES = ("CPU", "GPU")
@@ -196,3 +199,29 @@ def set_loss_scaling_check(enabled: bool) -> None:
 def get_loss_scaling_check() -> bool:
     """What ``set_loss_scaling_check`` last set (True by default)."""
     return _loss_scaling_check
+
+
+_NONFINITE_MODES = ("warn", "raise", "off")
+_nonfinite_check = "warn"
+
+
+def set_nonfinite_check(mode: str) -> None:
+    """What an optimizer step inside ``strategy.run`` does when the gradient summed over the
+    replicas is inf or NaN: ``"warn"`` (the default; once, naming the step, the replica and
+    the worker where it appeared), ``"raise"`` (``td.NonFiniteError``, before the update) or
+    ``"off"``.
+
+    >>> set_nonfinite_check("raise")
+    >>> get_nonfinite_check()
+    'raise'
+    >>> set_nonfinite_check("warn")
+    """
+    global _nonfinite_check
+    if mode not in _NONFINITE_MODES:
+        raise InvalidArgumentError(f"set_nonfinite_check takes one of {_NONFINITE_MODES}, got {mode!r}.")
+    _nonfinite_check = mode
+
+
+def get_nonfinite_check() -> str:
+    """What ``set_nonfinite_check`` last set (``"warn"`` by default)."""
+    return _nonfinite_check

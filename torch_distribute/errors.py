@@ -48,6 +48,10 @@ class LossScalingError(DistributeError, ValueError):
     gradients are summed across replicas, so use ``td.compute_average_loss``."""
 
 
+class NonFiniteError(DistributeError, FloatingPointError):
+    """A gradient that is inf or NaN, with ``td.config.set_nonfinite_check("raise")``."""
+
+
 class DatasetError(DistributeError, ValueError):
     """A dataset that cannot be distributed (unbatched, empty, mixed batch sizes)."""
 

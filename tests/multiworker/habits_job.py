@@ -8,7 +8,10 @@ Two worker processes, one CPU replica each (``MultiWorkerMirroredStrategy``, or
 1. ``mean``: a step with ``F.cross_entropy(logits, y)`` (reduction="mean"): must raise
    ``td.LossScalingError`` before any update (the parameters are reported);
 2. ``correct``: ``td.compute_average_loss`` over the global batch, on every batch;
-3. ``opt_out``: ``strategy.set_loss_scaling_check(False)``, then the mean-reduced step once.
+3. ``opt_out``: ``strategy.set_loss_scaling_check(False)``, then the mean-reduced step once;
+4. (not ``--sharded``) a fresh model trained on 4 batches, one NaN in worker 1's rows of the
+   third: the warnings are reported; then with ``td.config.set_nonfinite_check("raise")``,
+   the error (and whether the parameters stayed finite).
 
 The parameters after each phase are reported (under ``--sharded``, only this worker's shards).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,43 @@ def habit_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def params(model: torch.nn.Module) -> list[float]:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     return [v for p in local for v in p.detach().reshape(-1).tolist()]
+
+
+def nan_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four global batches; row 6 of the third (worker 1's rows are 4..7) holds a NaN."""
+    generator = torch.Generator().manual_seed(12)
+    data = [(torch.randn(GLOBAL_BATCH, 4, generator=generator), torch.randint(0, 3, (GLOBAL_BATCH,), generator=generator))
+            for _ in range(4)]
+    data[2][0][6, 1] = float("nan")
+    return data
+
+
+def nonfinite_phase(strategy: td.Strategy, global_batch: int) -> dict:
+    out: dict = {}
+    for mode in ("warn", "raise"):
+        td.config.set_nonfinite_check(mode)
+        with strategy.scope():
+            model = torch.nn.Linear(4, 3)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(x: torch.Tensor, y: torch.Tensor, model=model, optimizer=optimizer) -> None:
+            per_example = F.cross_entropy(model(x), y, reduction="none")
+            td.compute_average_loss(per_example, global_batch_size=global_batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for batch in strategy.experimental_distribute_dataset(nan_data()):
+                    strategy.run(step, args=batch)
+                out[f"{mode}_error"] = None
+            except td.NonFiniteError as error:
+                out[f"{mode}_error"] = str(error)
+        out[f"{mode}_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        out[f"{mode}_params_finite"] = all(bool(p.isfinite().all()) for p in model.parameters())
+    td.config.set_nonfinite_check("warn")
+    return out
 
 
 if __name__ == "__main__":
@@ -89,4 +130,6 @@ if __name__ == "__main__":
     strategy.set_loss_scaling_check(False)
     strategy.run(ddp_step, args=batches[0])
     result["after_opt_out"] = params(model)
+    if not args.sharded:
+        result.update(nonfinite_phase(strategy, GLOBAL_BATCH))
     H.emit(result)

@@ -65,7 +65,7 @@ from torch.optim import optimizer as optimizer_module
 from torch_distribute import context
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
-from torch_distribute.strategies import loss_scaling
+from torch_distribute.strategies import loss_scaling, nonfinite
 
 _installed = False
 _install_lock = threading.Lock()
@@ -325,6 +325,7 @@ def _wrap_backward(original: Any) -> Any:
         if replica is not None and replica.num_replicas_in_sync > 1:
             grad_tensors = args[0] if args else kwargs.get("grad_tensors", kwargs.get("grad_variables"))
             loss_scaling.check_backward(replica.strategy, replica.num_replicas_in_sync, tensors, grad_tensors)
+            nonfinite.record_loss(replica.strategy, replica.replica_id_in_sync_group, tensors)
         return original(tensors, *args, **kwargs)
 
     return _eager(backward)
