@@ -261,6 +261,15 @@ def test_multi_worker_mirrored_two_workers(tmp_path):
         assert not report["warn_params_finite"]  # warned, as asked; the update spread it
         assert "optimizer step 3 (SGD)" in report["raise_error"] and "replica 1 (worker 1)" in report["raise_error"]
         assert report["raise_params_finite"]  # stopped before the update
+    # The log (a handler the job added, level DEBUG): what the strategy decided, each collective.
+    for rank in range(2):
+        log = "\n".join(reports[rank]["log"])
+        assert (f"INFO torch_distribute.strategies: MultiWorkerMirroredStrategy: 2 replica(s) in sync = "
+                f"2 worker(s) x 1 local replica(s) on cpu:0; this process is worker {rank}") in log, log
+        assert "cluster found by TFConfigClusterResolver" in log, log
+        assert f"INFO torch_distribute.collectives: worker {rank} of 2: process group on backend gloo" in log, log
+        assert "DEBUG torch_distribute.collectives: collective #" in log and "initial broadcast from the chief" in log, log
+        assert "DEBUG torch_distribute.collectives: gradient bucket all-reduce" in log, log
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")

@@ -14,7 +14,8 @@ replica on its own CUDA stream; copies, not NCCL, between replicas that share a 
 The library's own checks are switched here too, for every strategy (a strategy's own setting,
 ``strategy.set_loss_scaling_check``, wins): ``set_loss_scaling_check(False)`` accepts a loss
 averaged over one replica's batch inside ``strategy.run`` (``docs/common-mistakes.md``);
-``set_nonfinite_check("warn" | "raise" | "off")`` says what a non-finite gradient does.
+``set_nonfinite_check("warn" | "raise" | "off")`` says what a non-finite gradient does;
+``set_log_level`` sets the level of the ``torch_distribute`` logger (``log.py``).
 
 Differences from TensorFlow: the configuration may change at any time (strategies made
 before keep their devices); ``memory_limit`` (MiB) is the same for every logical GPU of a
@@ -31,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from torch_distribute import devices
+from torch_distribute import devices, log
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.errors import InvalidArgumentError, InvalidDeviceError
 
@@ -42,6 +43,7 @@ __all__ = [
     "get_logical_device_configuration",
     "get_loss_scaling_check",
     "get_nonfinite_check",
+    "set_log_level",
     "list_logical_devices",
     "list_physical_devices",
     "set_logical_device_configuration",
@@ -225,3 +227,21 @@ def set_nonfinite_check(mode: str) -> None:
 def get_nonfinite_check() -> str:
     """What ``set_nonfinite_check`` last set (``"warn"`` by default)."""
     return _nonfinite_check
+
+
+def set_log_level(level: int | str) -> None:
+    """The level of the ``torch_distribute`` logger (``"INFO"``: what each strategy decided;
+    ``"DEBUG"``: every collective between workers and its purpose), as ``TD_LOG_LEVEL`` sets
+    it. The library adds no handler: configure ``logging`` to see the records.
+
+    >>> import logging
+    >>> set_log_level("DEBUG")
+    >>> logging.getLogger("torch_distribute").level == logging.DEBUG
+    True
+    >>> set_log_level(logging.NOTSET)
+    """
+    if log.parse_level(level) is None:
+        raise InvalidArgumentError(
+            f"set_log_level takes a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL, or a "
+            f"number >= 0), got {level!r}.")
+    log.set_level(level)

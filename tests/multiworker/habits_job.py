@@ -13,12 +13,14 @@ Two worker processes, one CPU replica each (``MultiWorkerMirroredStrategy``, or
    third: the warnings are reported; then with ``td.config.set_nonfinite_check("raise")``,
    the error (and whether the parameters stayed finite).
 
-The parameters after each phase are reported (under ``--sharded``, only this worker's shards).
+The parameters after each phase are reported (under ``--sharded``, only this worker's shards),
+and the ``torch_distribute`` log records (level DEBUG, through a handler the job adds).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -89,7 +91,21 @@ def nonfinite_phase(strategy: td.Strategy, global_batch: int) -> dict:
     return out
 
 
+class _Records(logging.Handler):
+    """What a user's handler on the ``torch_distribute`` logger receives."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
 if __name__ == "__main__":
+    records = _Records()
+    logging.getLogger("torch_distribute").addHandler(records)
+    td.config.set_log_level("DEBUG")
     options = td.CommunicationOptions(timeout_seconds=30)
     if args.sharded:
         strategy = td.FullyShardedStrategy(communication_options=options)
@@ -132,4 +148,5 @@ if __name__ == "__main__":
     result["after_opt_out"] = params(model)
     if not args.sharded:
         result.update(nonfinite_phase(strategy, GLOBAL_BATCH))
+    result["log"] = records.lines
     H.emit(result)

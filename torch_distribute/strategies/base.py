@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_distribute import compiled_function, config, context, nest
+from torch_distribute import compiled_function, config, context, log, nest
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import ContextError, InvalidArgumentError, InvalidAxisError
 from torch_distribute.input import (
@@ -77,6 +77,8 @@ from torch_distribute.values import (
 
 __all__ = ["Strategy", "StrategyExtended"]
 
+_log = log.get_logger("strategies")
+
 
 class Strategy:
     """Base class of all strategies; see ``MirroredStrategy`` for the full story.
@@ -92,6 +94,26 @@ class Strategy:
         self._loss_scaling_check: bool | None = None
         interception.install()
         interception.register_strategy(self)
+        if not self.is_default:
+            self._log_decisions()
+
+    def _log_decisions(self) -> None:
+        """INFO: what this strategy decided (devices, workers, how the cluster was found)."""
+        if not _log.isEnabledFor(log.logging.INFO):
+            return
+        ext = self._extended
+        devices = ", ".join(getattr(d, "name", str(d)) for d in ext.worker_devices)
+        if tuple(ext.parameter_devices) != tuple(ext.worker_devices):
+            devices += " (parameters on " + ", ".join(getattr(d, "name", str(d)) for d in ext.parameter_devices) + ")"
+        ops = getattr(ext, "cross_device_ops", None)
+        resolver = self.cluster_resolver
+        _log.info(
+            "%s: %d replica(s) in sync = %d worker(s) x %d local replica(s) on %s%s; this process "
+            "is worker %d%s%s", type(self).__name__, ext.num_replicas_in_sync, ext.num_workers_in_sync,
+            ext.num_local_replicas, devices,
+            f" (cross-device ops: {type(ops).__name__})" if ops is not None and ext.num_local_replicas > 1 else "",
+            ext.worker_index, " (the chief)" if ext.is_chief else "",
+            f"; cluster found by {type(resolver).__name__}" if resolver is not None else "")
 
     @property
     def extended(self) -> StrategyExtended:
