@@ -19,7 +19,8 @@ Also ``MirroredStrategy`` with the loss-scaling check turned off
 (``strategy.set_loss_scaling_check(False)``): the ratio checked / unchecked is the per-step
 cost of inspecting every ``backward()``'s loss (``strategies/loss_scaling.py``), and the
 check alone is timed on the tutorial step's loss (microseconds per ``backward()``).
-``--only-loss-check`` times just those two.
+The same for the non-finite gradient check (``td.config.set_nonfinite_check("off")``).
+``--only-loss-check`` times just these three.
 After timing, the parameters of MirroredStrategy are compared with the hand-written loop's
 (same init, same batches, same number of steps): printed with DDP's for scale, since in
 float32 Adam amplifies summation-order noise; then both train a fresh float64 copy for a
@@ -75,9 +76,10 @@ class HandWritten(Variant):
 
 
 class Mirrored(Variant):
-    def __init__(self, central_storage: bool = False, loss_check: bool = True):
+    def __init__(self, central_storage: bool = False, loss_check: bool = True, nonfinite_check: str = "warn"):
         self.central_storage = central_storage
         self.loss_check = loss_check
+        self.nonfinite_check = nonfinite_check
 
     def setup(self) -> None:
         import torch_distribute as td
@@ -88,6 +90,7 @@ class Mirrored(Variant):
         else:
             self.strategy = td.MirroredStrategy(devices)
         self.strategy.set_loss_scaling_check(self.loss_check)
+        td.config.set_nonfinite_check(self.nonfinite_check)
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:
@@ -159,6 +162,7 @@ def loss_check_only(args: argparse.Namespace) -> dict:
     try:
         variants.append(VariantProcess("Mirrored checked", Mirrored))
         variants.append(VariantProcess("Mirrored unchecked", Mirrored, [(False, False)]))
+        variants.append(VariantProcess("Mirrored no NaN check", Mirrored, [(False, True, "off")]))
         per_step = measure_interleaved(variants, args.steps, args.rounds, args.warmup)
     finally:
         for v in variants:
@@ -172,11 +176,18 @@ def report_loss_check(per_step: dict[str, list[float]]) -> dict:
     micros = loss_check_microseconds()
     print(f"{'checked':>18}: {statistics.median(checked) * 1e3:8.3f} ms/step")
     print(f"{'unchecked':>18}: {statistics.median(unchecked) * 1e3:8.3f} ms/step")
-    print(f"throughput ratio checked / unchecked: {ratio:.3f}  (1.000: no cost)")
-    print(f"the check alone: {micros:.1f} us per backward()")
-    return {"loss_check_throughput_ratio": ratio, "loss_check_us_per_backward": micros,
-            "checked_s_per_step": statistics.median(checked),
-            "unchecked_s_per_step": statistics.median(unchecked)}
+    print(f"throughput ratio loss check on / off: {ratio:.3f}  (1.000: no cost)")
+    print(f"the loss check alone: {micros:.1f} us per backward()")
+    out = {"loss_check_throughput_ratio": ratio, "loss_check_us_per_backward": micros,
+           "checked_s_per_step": statistics.median(checked),
+           "unchecked_s_per_step": statistics.median(unchecked)}
+    if "Mirrored no NaN check" in per_step:
+        no_nan = per_step["Mirrored no NaN check"]
+        nan_ratio = median_ratio(no_nan, checked)
+        print(f"{'no NaN check':>18}: {statistics.median(no_nan) * 1e3:8.3f} ms/step")
+        print(f"throughput ratio NaN check on / off:  {nan_ratio:.3f}  (1.000: no cost)")
+        out.update(nonfinite_check_throughput_ratio=nan_ratio, no_nonfinite_check_s_per_step=statistics.median(no_nan))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
