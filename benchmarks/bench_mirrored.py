@@ -154,6 +154,19 @@ def loss_check_microseconds(repeats: int = 2000) -> float:
     return loss_scaling.with_replica_inputs(timed_checks)(images, labels) / repeats * 1e6
 
 
+def nonfinite_check_microseconds(repeats: int = 500) -> float:
+    """The non-finite check alone on the tutorial model's gradients: microseconds per step."""
+    import time
+
+    from torch_distribute.strategies.nonfinite import gradients_finite
+
+    grads = [torch.randn_like(p) for p in make_model().parameters()]
+    started = time.perf_counter()
+    for _ in range(repeats):
+        bool(gradients_finite(grads))
+    return (time.perf_counter() - started) / repeats * 1e6
+
+
 def loss_check_only(args: argparse.Namespace) -> dict:
     print(f"# MirroredStrategy x{NUM_REPLICAS} CPU replicas, loss-scaling check on vs off, "
           f"global batch {GLOBAL_BATCH}")
@@ -178,7 +191,10 @@ def report_loss_check(per_step: dict[str, list[float]]) -> dict:
     print(f"{'unchecked':>18}: {statistics.median(unchecked) * 1e3:8.3f} ms/step")
     print(f"throughput ratio loss check on / off: {ratio:.3f}  (1.000: no cost)")
     print(f"the loss check alone: {micros:.1f} us per backward()")
+    nan_micros = nonfinite_check_microseconds()
+    print(f"the non-finite check alone: {nan_micros:.1f} us per optimizer step")
     out = {"loss_check_throughput_ratio": ratio, "loss_check_us_per_backward": micros,
+           "nonfinite_check_us_per_step": nan_micros,
            "checked_s_per_step": statistics.median(checked),
            "unchecked_s_per_step": statistics.median(unchecked)}
     if "Mirrored no NaN check" in per_step:
