@@ -4,8 +4,8 @@ One NaN in one replica's batch makes that replica's loss and gradient NaN; summe
 replicas it reaches every parameter of every replica and worker at the next optimizer step,
 and the job goes on, exiting 0. So the mirrored family checks the gradient it is about to
 apply, the sum over every replica and worker, once per optimizer step, before the update:
-one fused pass (``torch._foreach_norm(grads, inf)``: NaN and inf survive a max) and one
-flag read (under ``MultiWorkerMirroredStrategy`` the device has just been waited for anyway,
+one fused pass (``torch._foreach_norm(grads)``: NaN and inf survive a 2-norm; a finite value
+whose square overflows is then confirmed with the max) and one flag read (under ``MultiWorkerMirroredStrategy`` the device has just been waited for anyway,
 for the buckets' signatures). Only when it is not finite does more happen: each replica's
 last loss (recorded at its ``backward()``) is looked at, and the workers exchange which of
 their replicas had a non-finite loss, so that the report names the step, the replica(s) and
@@ -51,14 +51,20 @@ def record_loss(strategy: Any, replica_id: int, tensors: Any) -> None:
             _last_losses.setdefault(strategy, {})[replica_id] = loss.detach()
 
 
-def gradients_finite(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One boolean tensor: whether every value of every gradient is finite (one fused pass
-    per device and dtype, no sync)."""
+def gradients_finite(grads: list[torch.Tensor], exact: bool = False) -> torch.Tensor:
+    """One boolean tensor: whether every value of every gradient is finite (one fused pass,
+    no sync). The 2-norm (``_foreach_norm``'s fast, vectorized case; NaN and inf survive it)
+    can also overflow on huge finite values; ``exact=True`` uses the max instead (slower on
+    CPU), to confirm a non-finite answer.
+
+    >>> bool(gradients_finite([torch.tensor([3e38, 3e38])])), bool(gradients_finite([torch.tensor([3e38])], exact=True))
+    (False, True)
+    """
     if not grads:
         return torch.tensor(True)
-    maxima = torch._foreach_norm(grads, math.inf)
+    norms = torch._foreach_norm(grads, math.inf) if exact else torch._foreach_norm(grads)
     device = grads[0].device
-    return torch.stack([m.to(device) for m in maxima]).isfinite().all()
+    return torch.stack([n.to(device) for n in norms]).isfinite().all()
 
 
 class NonFiniteMonitor:
@@ -77,7 +83,8 @@ class NonFiniteMonitor:
         mode = config.get_nonfinite_check()
         if mode == "off" or (self._reported and mode == "warn"):
             return
-        if bool(gradients_finite([g for g in grads if g is not None])):
+        present = [g for g in grads if g is not None]
+        if bool(gradients_finite(present)) or bool(gradients_finite(present, exact=True)):
             return
         strategy = self._strategy()
         with _lock:
