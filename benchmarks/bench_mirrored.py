@@ -15,6 +15,12 @@ the same initial weights, each in its own process(es):
 
 Reported: seconds per step and steps/s of each (median over interleaved rounds) and the
 throughput ratios ours / hand-written and ours / DDP (> 1 means MirroredStrategy is faster).
+Also ``MirroredStrategy`` with the loss-scaling check turned off
+(``strategy.set_loss_scaling_check(False)``): the ratio checked / unchecked is the per-step
+cost of inspecting every ``backward()``'s loss (``strategies/loss_scaling.py``), and the
+check alone is timed on the tutorial step's loss (microseconds per ``backward()``).
+The same for the non-finite gradient check (``td.config.set_nonfinite_check("off")``).
+``--only-loss-check`` times just these three.
 After timing, the parameters of MirroredStrategy are compared with the hand-written loop's
 (same init, same batches, same number of steps): printed with DDP's for scale, since in
 float32 Adam amplifies summation-order noise; then both train a fresh float64 copy for a
@@ -41,10 +47,12 @@ from common import (  # noqa: E402
     ddp_trainer,
     emit,
     free_port,
+    global_batches,
     handwritten_trainer,
     init_gloo,
     load_average,
     machine_line,
+    make_model,
     max_abs_diff,
     measure_interleaved,
     median_ratio,
@@ -68,8 +76,10 @@ class HandWritten(Variant):
 
 
 class Mirrored(Variant):
-    def __init__(self, central_storage: bool = False):
+    def __init__(self, central_storage: bool = False, loss_check: bool = True, nonfinite_check: str = "warn"):
         self.central_storage = central_storage
+        self.loss_check = loss_check
+        self.nonfinite_check = nonfinite_check
 
     def setup(self) -> None:
         import torch_distribute as td
@@ -79,6 +89,8 @@ class Mirrored(Variant):
             self.strategy = td.CentralStorageStrategy(devices)
         else:
             self.strategy = td.MirroredStrategy(devices)
+        self.strategy.set_loss_scaling_check(self.loss_check)
+        td.config.set_nonfinite_check(self.nonfinite_check)
         super().setup()
 
     def build(self, dtype: torch.dtype) -> Trainer:
@@ -117,13 +129,96 @@ class DDP(Variant):
         self.dist.destroy_process_group()
 
 
+def loss_check_microseconds(repeats: int = 2000) -> float:
+    """The check alone, on the tutorial step's loss (2 replicas, batch 64 each): microseconds
+    per ``backward()``."""
+    import time
+
+    import torch.nn.functional as F
+
+    import torch_distribute as td
+    from torch_distribute.strategies import loss_scaling
+
+    strategy = td.MirroredStrategy([f"cpu:{k}" for k in range(NUM_REPLICAS)])
+    model = make_model()
+    images, labels = next(iter(global_batches(GLOBAL_BATCH // NUM_REPLICAS)))
+    per_example = F.cross_entropy(model(images), labels, reduction="none")
+    loss = per_example.sum() / GLOBAL_BATCH  # what td.compute_average_loss builds
+
+    def timed_checks(images: torch.Tensor, labels: torch.Tensor) -> float:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            loss_scaling.check_backward(strategy, NUM_REPLICAS, loss, None)
+        return time.perf_counter() - started
+
+    return loss_scaling.with_replica_inputs(timed_checks)(images, labels) / repeats * 1e6
+
+
+def nonfinite_check_microseconds(repeats: int = 500) -> float:
+    """The non-finite check alone on the tutorial model's gradients: microseconds per step."""
+    import time
+
+    from torch_distribute.strategies.nonfinite import gradients_finite
+
+    grads = [torch.randn_like(p) for p in make_model().parameters()]
+    started = time.perf_counter()
+    for _ in range(repeats):
+        bool(gradients_finite(grads))
+    return (time.perf_counter() - started) / repeats * 1e6
+
+
+def loss_check_only(args: argparse.Namespace) -> dict:
+    print(f"# MirroredStrategy x{NUM_REPLICAS} CPU replicas, loss-scaling check on vs off, "
+          f"global batch {GLOBAL_BATCH}")
+    print(f"# {machine_line()}")
+    variants = []
+    try:
+        variants.append(VariantProcess("Mirrored checked", Mirrored))
+        variants.append(VariantProcess("Mirrored unchecked", Mirrored, [(False, False)]))
+        variants.append(VariantProcess("Mirrored no NaN check", Mirrored, [(False, True, "off")]))
+        per_step = measure_interleaved(variants, args.steps, args.rounds, args.warmup)
+    finally:
+        for v in variants:
+            v.stop()
+    return report_loss_check(per_step)
+
+
+def report_loss_check(per_step: dict[str, list[float]]) -> dict:
+    checked, unchecked = per_step["Mirrored checked"], per_step["Mirrored unchecked"]
+    ratio = median_ratio(unchecked, checked)
+    micros = loss_check_microseconds()
+    print(f"{'checked':>18}: {statistics.median(checked) * 1e3:8.3f} ms/step")
+    print(f"{'unchecked':>18}: {statistics.median(unchecked) * 1e3:8.3f} ms/step")
+    print(f"throughput ratio loss check on / off: {ratio:.3f}  (1.000: no cost)")
+    print(f"the loss check alone: {micros:.1f} us per backward()")
+    nan_micros = nonfinite_check_microseconds()
+    print(f"the non-finite check alone: {nan_micros:.1f} us per optimizer step")
+    out = {"loss_check_throughput_ratio": ratio, "loss_check_us_per_backward": micros,
+           "nonfinite_check_us_per_step": nan_micros,
+           "checked_s_per_step": statistics.median(checked),
+           "unchecked_s_per_step": statistics.median(unchecked)}
+    if "Mirrored no NaN check" in per_step:
+        no_nan = per_step["Mirrored no NaN check"]
+        nan_ratio = median_ratio(no_nan, checked)
+        print(f"{'no NaN check':>18}: {statistics.median(no_nan) * 1e3:8.3f} ms/step")
+        print(f"throughput ratio NaN check on / off:  {nan_ratio:.3f}  (1.000: no cost)")
+        out.update(nonfinite_check_throughput_ratio=nan_ratio, no_nonfinite_check_s_per_step=statistics.median(no_nan))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--check-steps", type=int, default=10, help="steps of the float64 check")
+    parser.add_argument("--only-loss-check", action="store_true",
+                        help="time MirroredStrategy with the loss-scaling check on and off only")
     args = parser.parse_args(argv)
+    if args.only_loss_check:
+        result = {"bench": "mirrored_loss_check", **loss_check_only(args)}
+        emit(result)
+        return result
 
     print(f"# (b) MirroredStrategy x{NUM_REPLICAS} CPU replicas vs hand-written vs DDP gloo x{NUM_REPLICAS}, "
           f"global batch {GLOBAL_BATCH}")
@@ -137,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
             "DDP", DDP, [(rank, NUM_REPLICAS, port) for rank in range(NUM_REPLICAS)]
         ))
         variants.append(VariantProcess("CentralStorage", Mirrored, [(True,)]))
-        hand, mirrored, ddp, central = variants
+        variants.append(VariantProcess("Mirrored unchecked", Mirrored, [(False, False)]))
+        hand, mirrored, ddp, central, _ = variants
         per_step = measure_interleaved(variants, args.steps, args.rounds, args.warmup)
         hand_params, ours_params, ddp_params = hand.params(), mirrored.params(), ddp.params()
         central_params = central.params()
@@ -160,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"throughput ratio ours / DDP:          {vs_ddp:.3f}")
     print(f"CentralStorage / hand-written:        {central_vs_hand:.3f}")
     print(f"CentralStorage / MirroredStrategy:    {central_vs_mirrored:.3f}")
+    loss_check = report_loss_check({"Mirrored checked": per_step["MirroredStrategy"],
+                                    "Mirrored unchecked": per_step["Mirrored unchecked"]})
 
     n_steps = args.warmup + args.rounds * args.steps
     diff, rel = max_abs_diff(ours_params, hand_params), relative_l2_diff(ours_params, hand_params)
@@ -196,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         "central_throughput_ratio_over_hand": central_vs_hand,
         "central_throughput_ratio_over_mirrored": central_vs_mirrored,
         "central_f64_param_max_abs_diff": central_f64_diff,
+        **loss_check,
         "steps_trained": n_steps,
         "rounds": args.rounds,
         "steps": args.steps,

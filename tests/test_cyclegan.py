@@ -105,7 +105,11 @@ def test_per_sample_losses_over_the_global_batch_give_one_devices_gradient():
     distributed = _generator_gradient(two, x, y, "global")
     assert _relative_error(reference, distributed) < 1e-5  # float32 rounding only
 
-    # A plain mean per replica weighs 2 samples like 3 and counts the batch twice.
+    # A plain mean per replica is refused before any gradient is computed...
+    with pytest.raises(td.LossScalingError, match="compute_average_loss"):
+        _generator_gradient(two, x, y, "plain")
+    # ...and, turned off knowingly, weighs 2 samples like 3 and counts the batch twice.
+    two.set_loss_scaling_check(False)
     plain = _generator_gradient(two, x, y, "plain")
     assert _relative_error(reference, plain) > 0.1
 

@@ -11,6 +11,12 @@ replica on its own CUDA stream; copies, not NCCL, between replicas that share a 
 >>> # td.config.set_logical_device_configuration(gpu, [td.config.LogicalDeviceConfiguration()] * 2)
 >>> # td.MirroredStrategy().num_replicas_in_sync   # 2, on the one GPU
 
+The library's own checks are switched here too, for every strategy (a strategy's own setting,
+``strategy.set_loss_scaling_check``, wins): ``set_loss_scaling_check(False)`` accepts a loss
+averaged over one replica's batch inside ``strategy.run`` (``docs/common-mistakes.md``);
+``set_nonfinite_check("warn" | "raise" | "off")`` says what a non-finite gradient does;
+``set_log_level`` sets the level of the ``torch_distribute`` logger (``log.py``).
+
 Differences from TensorFlow: the configuration may change at any time (strategies made
 before keep their devices); ``memory_limit`` (MiB) is the same for every logical GPU of a
 physical one and their sum caps this process on that GPU
@@ -26,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from torch_distribute import devices
+from torch_distribute import devices, log
 from torch_distribute.devices import LogicalDevice
 from torch_distribute.errors import InvalidArgumentError, InvalidDeviceError
 
@@ -35,9 +41,14 @@ __all__ = [
     "LogicalDeviceConfiguration",
     "PhysicalDevice",
     "get_logical_device_configuration",
+    "get_loss_scaling_check",
+    "get_nonfinite_check",
+    "set_log_level",
     "list_logical_devices",
     "list_physical_devices",
     "set_logical_device_configuration",
+    "set_loss_scaling_check",
+    "set_nonfinite_check",
 ]
 
 _DEVICE_TYPES = ("CPU", "GPU")
@@ -163,3 +174,74 @@ def get_logical_device_configuration(device: PhysicalDevice | str) -> list[Logic
         return None if _cpu_configuration is None else list(_cpu_configuration)
     configurations = _gpu_configurations.get(physical.index)
     return None if configurations is None else list(configurations)
+
+
+# -- the library's checks ----------------------------------------------------------------------
+_loss_scaling_check = True
+
+
+def set_loss_scaling_check(enabled: bool) -> None:
+    """Whether ``backward()`` inside ``strategy.run`` with several replicas refuses a loss
+    averaged over the replica's own batch (``td.LossScalingError``); on by default.
+
+    Turn it off only for a per-replica mean you chose knowingly: the update is then
+    ``num_replicas_in_sync`` times the one-device update.
+
+    >>> set_loss_scaling_check(False)
+    >>> get_loss_scaling_check()
+    False
+    >>> set_loss_scaling_check(True)
+    """
+    global _loss_scaling_check
+    if not isinstance(enabled, bool):
+        raise InvalidArgumentError(f"set_loss_scaling_check takes True or False, got {enabled!r}.")
+    _loss_scaling_check = enabled
+
+
+def get_loss_scaling_check() -> bool:
+    """What ``set_loss_scaling_check`` last set (True by default)."""
+    return _loss_scaling_check
+
+
+_NONFINITE_MODES = ("warn", "raise", "off")
+_nonfinite_check = "warn"
+
+
+def set_nonfinite_check(mode: str) -> None:
+    """What an optimizer step inside ``strategy.run`` does when the gradient summed over the
+    replicas is inf or NaN: ``"warn"`` (the default; once, naming the step, the replica and
+    the worker where it appeared), ``"raise"`` (``td.NonFiniteError``, before the update) or
+    ``"off"``.
+
+    >>> set_nonfinite_check("raise")
+    >>> get_nonfinite_check()
+    'raise'
+    >>> set_nonfinite_check("warn")
+    """
+    global _nonfinite_check
+    if mode not in _NONFINITE_MODES:
+        raise InvalidArgumentError(f"set_nonfinite_check takes one of {_NONFINITE_MODES}, got {mode!r}.")
+    _nonfinite_check = mode
+
+
+def get_nonfinite_check() -> str:
+    """What ``set_nonfinite_check`` last set (``"warn"`` by default)."""
+    return _nonfinite_check
+
+
+def set_log_level(level: int | str) -> None:
+    """The level of the ``torch_distribute`` logger (``"INFO"``: what each strategy decided;
+    ``"DEBUG"``: every collective between workers and its purpose), as ``TD_LOG_LEVEL`` sets
+    it. The library adds no handler: configure ``logging`` to see the records.
+
+    >>> import logging
+    >>> set_log_level("DEBUG")
+    >>> logging.getLogger("torch_distribute").level == logging.DEBUG
+    True
+    >>> set_log_level(logging.NOTSET)
+    """
+    if log.parse_level(level) is None:
+        raise InvalidArgumentError(
+            f"set_log_level takes a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL, or a "
+            f"number >= 0), got {level!r}.")
+    log.set_level(level)

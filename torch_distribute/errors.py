@@ -43,6 +43,15 @@ class UnmirroredStateError(DistributeError, RuntimeError):
     """A parameter not created in ``strategy.scope()`` was used by a multi-replica strategy."""
 
 
+class LossScalingError(DistributeError, ValueError):
+    """A loss averaged over one replica's batch inside ``strategy.run`` with several replicas:
+    gradients are summed across replicas, so use ``td.compute_average_loss``."""
+
+
+class NonFiniteError(DistributeError, FloatingPointError):
+    """A gradient that is inf or NaN, with ``td.config.set_nonfinite_check("raise")``."""
+
+
 class DatasetError(DistributeError, ValueError):
     """A dataset that cannot be distributed (unbatched, empty, mixed batch sizes)."""
 

@@ -11,7 +11,7 @@ shapes and dtypes are compared, never data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,11 +77,26 @@ def select_replica(replica_id: int, structure: Any) -> Any:
     return nest.map_structure(pick, structure)
 
 
-def regroup(per_replica_results: Sequence[Any], always_wrap: bool = False) -> Any:
+def regroup(
+    per_replica_results: Sequence[Any],
+    always_wrap: bool = False,
+    mirrored: Callable[[Any], bool] | None = None,
+) -> Any:
     """Combine one nest per replica into one nest of ``PerReplica`` leaves.
 
-    Leaves that are the very same object on every replica stay plain (as TF does) unless
+    A tensor or a Python number from each replica is a ``PerReplica``, even when every
+    replica returned the very same object (CPython caches small ints: two replicas'
+    ``x.shape[0]`` may be one object or two, which must not change the result), unless
+    ``mirrored(leaf)`` says that the strategy itself mirrored it (a captured parameter, a
+    merge_call's result handed to every replica). Any other leaf that is the same object on
+    every replica (``None``, a module, a string) stays plain, as TF does, unless
     ``always_wrap``. Different nest shapes raise ``ReplicaMismatchError``.
+
+    >>> regroup([(1, None), (1, None)])
+    (PerReplica:{
+      0: 1,
+      1: 1
+    }, None)
     """
     if len(per_replica_results) == 1:
         return per_replica_results[0]
@@ -89,10 +104,29 @@ def regroup(per_replica_results: Sequence[Any], always_wrap: bool = False) -> An
     def combine(*leaves: Any) -> Any:
         first = leaves[0]
         if not always_wrap and all(leaf is first for leaf in leaves[1:]):
-            return first
+            if not is_tensor_like(first) or (mirrored is not None and mirrored(first)):
+                return first
         return PerReplica(leaves)
 
     return nest.map_structure_up_to(list(per_replica_results), combine)
+
+
+def exact_tensor(leaf: Any) -> torch.Tensor:
+    """``leaf`` as a tensor, Python numbers exactly (``int`` and ``bool`` as int64, ``float``
+    as float64, ``complex`` as complex128), so that sums and means of them are exact.
+
+    >>> exact_tensor(3).dtype, exact_tensor(0.1).dtype, exact_tensor(True).item()
+    (torch.int64, torch.float64, 1)
+    """
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, (bool, int)):
+        return torch.tensor(int(leaf), dtype=torch.int64)
+    if isinstance(leaf, float):
+        return torch.tensor(leaf, dtype=torch.float64)
+    if isinstance(leaf, complex):
+        return torch.tensor(leaf, dtype=torch.complex128)
+    return torch.as_tensor(leaf)
 
 
 # -- checks on what is reduced or gathered ---------------------------------------------------

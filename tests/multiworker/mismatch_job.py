@@ -66,6 +66,7 @@ try:
         if scaled:
             optimizer = td.mixed_precision.LossScaleOptimizer(optimizer)
     data = torch.Generator().manual_seed(7)
+    strategy.set_loss_scaling_check(False)  # a per-replica mean, knowingly: the job is about mismatches
 
     def step(x: torch.Tensor, k: int) -> None:
         loss = model(x).square().mean()

@@ -53,7 +53,9 @@ from torch_distribute.errors import (
     ReplicaMismatchError,
     WorkerUnavailableError,
 )
+from torch_distribute.log import get_logger
 
+_log = get_logger("collectives")
 _HEARTBEAT_PREFIX = "td/heartbeat/"
 _LEFT_PREFIX = "td/left/"
 _JOINED_PREFIX = "td/joined/"
@@ -155,6 +157,8 @@ class WorkerGroup:
             self._start_up_step("start-up: init_process_group", lambda: dist.init_process_group(
                 backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout))
             self._main_group = dist.group.WORLD
+            _log.info("worker %d of %d: process group on backend %s, rendezvous at %s:%d, timeout %ss",
+                      rank, world_size, backend, host, port, options.timeout)
             # Gradients travel on their own group so they never interleave with other collectives.
             self.gradient_group = self._start_up_step(
                 "start-up: the gradient group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
@@ -571,6 +575,7 @@ class WorkerGroup:
         """``agree`` in two halves: start the exchange now (it then overlaps whatever runs
         until ``finish_agreement``, which must come before the collective it vouches for).
         None when not verifying."""
+        _log.debug("collective #%d: %s (%s)", self._collectives + 1, what, kind)
         if not self._verify:
             self._collectives += 1
             return None
@@ -679,6 +684,7 @@ class WorkerGroup:
         apply_packed_(tensors, lambda flat: self.all_reduce_(flat, what=what).div_(self.world_size))
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
+        _log.debug("gradient bucket all-reduce (%d values) on the gradient group", tensor.numel())
         """Start a SUM of ``tensor`` over the workers on the gradient group (never interleaved
         with other collectives); finish it with ``wait(what, handle)``."""
         return dist.all_reduce(tensor, group=self.gradient_group, async_op=True)

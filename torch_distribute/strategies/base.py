@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_distribute import compiled_function, context, nest
+from torch_distribute import compiled_function, config, context, log, nest
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import ContextError, InvalidArgumentError, InvalidAxisError
 from torch_distribute.input import (
@@ -64,7 +64,7 @@ from torch_distribute.input import (
     ValueContext,
 )
 from torch_distribute.reduce_op import ReduceOp
-from torch_distribute.strategies import interception
+from torch_distribute.strategies import interception, loss_scaling
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.values import (
     DistributedValues,
@@ -72,9 +72,12 @@ from torch_distribute.values import (
     PerReplica,
     check_reducible,
     check_same_layout,
+    exact_tensor,
 )
 
 __all__ = ["Strategy", "StrategyExtended"]
+
+_log = log.get_logger("strategies")
 
 
 class Strategy:
@@ -88,8 +91,29 @@ class Strategy:
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
+        self._loss_scaling_check: bool | None = None
         interception.install()
         interception.register_strategy(self)
+        if not self.is_default:
+            self._log_decisions()
+
+    def _log_decisions(self) -> None:
+        """INFO: what this strategy decided (devices, workers, how the cluster was found)."""
+        if not _log.isEnabledFor(log.logging.INFO):
+            return
+        ext = self._extended
+        devices = ", ".join(getattr(d, "name", str(d)) for d in ext.worker_devices)
+        if tuple(ext.parameter_devices) != tuple(ext.worker_devices):
+            devices += " (parameters on " + ", ".join(getattr(d, "name", str(d)) for d in ext.parameter_devices) + ")"
+        ops = getattr(ext, "cross_device_ops", None)
+        resolver = self.cluster_resolver
+        _log.info(
+            "%s: %d replica(s) in sync = %d worker(s) x %d local replica(s) on %s%s; this process "
+            "is worker %d%s%s", type(self).__name__, ext.num_replicas_in_sync, ext.num_workers_in_sync,
+            ext.num_local_replicas, devices,
+            f" (cross-device ops: {type(ops).__name__})" if ops is not None and ext.num_local_replicas > 1 else "",
+            ext.worker_index, " (the chief)" if ext.is_chief else "",
+            f"; cluster found by {type(resolver).__name__}" if resolver is not None else "")
 
     @property
     def extended(self) -> StrategyExtended:
@@ -107,6 +131,30 @@ class Strategy:
     @property
     def cluster_resolver(self) -> Any:
         return None
+
+    # -- checks ------------------------------------------------------------------------------
+    def set_loss_scaling_check(self, enabled: bool | None) -> None:
+        """Whether ``backward()`` inside this strategy's ``run`` refuses a loss averaged over
+        the replica's own batch (``td.LossScalingError``); ``None`` follows
+        ``td.config.set_loss_scaling_check`` (on by default). See ``docs/common-mistakes.md``.
+
+        >>> import torch_distribute as td
+        >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.set_loss_scaling_check(False)   # a per-replica mean, knowingly
+        >>> strategy.loss_scaling_check
+        False
+        """
+        if enabled is not None and not isinstance(enabled, bool):
+            raise InvalidArgumentError(f"set_loss_scaling_check takes True, False or None, got {enabled!r}.")
+        self._loss_scaling_check = enabled
+
+    @property
+    def loss_scaling_check(self) -> bool:
+        """Whether a loss averaged over one replica's batch is refused (see
+        ``set_loss_scaling_check``)."""
+        if self._loss_scaling_check is not None:
+            return self._loss_scaling_check
+        return config.get_loss_scaling_check()
 
     # -- scope -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -139,8 +187,10 @@ class Strategy:
         """Call ``fn(*args, **kwargs)`` once per replica; return per-replica results.
 
         ``PerReplica`` arguments (from a distributed dataset) give each replica its own
-        component. Returns a nest of ``PerReplica`` (or the plain value when every replica
-        returned the very same object).
+        component. Returns a nest of ``PerReplica``: a tensor or a Python number from every
+        replica is always one (even when it is one object), unless the strategy mirrored it
+        (a parameter made in ``scope()``, a merge_call's result); another object that every
+        replica returned (``None``, a string) is returned as it is.
         """
         if not isinstance(args, (tuple, list)) or isinstance(args, str):
             raise InvalidArgumentError(
@@ -158,6 +208,8 @@ class Strategy:
                 "directly (it already runs once per replica)."
             )
         replica_fn = compiled_function.for_replicas(fn, self._extended.replica_devices)
+        if self.num_replicas_in_sync > 1:
+            replica_fn = loss_scaling.with_replica_inputs(replica_fn)
         return self._extended.call_for_each_replica(replica_fn, tuple(args), kwargs or {})
 
     # -- reductions -------------------------------------------------------------------------
@@ -191,9 +243,9 @@ class Strategy:
     def _check_components(self, what: str, leaf: Any, axis: int | None, *, gather: bool = False) -> None:
         """Axis in range and the replicas' components alike (shapes and dtypes, no data)."""
         if isinstance(leaf, DistributedValues):
-            components = [torch.as_tensor(v) for v in leaf.values]
+            components = [exact_tensor(v) for v in leaf.values]
         else:
-            components = [torch.as_tensor(leaf)]
+            components = [exact_tensor(leaf)]
         if gather:
             components = [c.unsqueeze(0) if c.dim() == 0 else c for c in components]
         if axis is not None:

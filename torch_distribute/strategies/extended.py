@@ -31,6 +31,7 @@ from torch_distribute.values import (
     PerReplica,
     check_reducible,
     check_same_layout,
+    exact_tensor,
     select_replica,
 )
 
@@ -190,8 +191,8 @@ class StrategyExtended:
                     f"strategy has {self.num_local_replicas} local replicas; use values produced "
                     "by this strategy's run() or distributed datasets."
                 )
-            return [torch.as_tensor(v) for v in value.values]
-        return [torch.as_tensor(value)] * self.num_local_replicas
+            return [exact_tensor(v) for v in value.values]
+        return [exact_tensor(value)] * self.num_local_replicas
 
     def local_copies(self, obj: Any) -> tuple[Any, ...] | None:
         """Each local replica's copy of a captured tensor or module, else ``None``."""
@@ -267,14 +268,14 @@ class StrategyExtended:
         for value, destination in pairs:
             device = self._device_of(destination)
             if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
-                out.append(torch.as_tensor(value.values[0]).to(device))
+                out.append(exact_tensor(value.values[0]).to(device))
                 continue
             # A plain value stands for every local replica's value at once: summing it over
             # several local replicas would count it N times. (With one local replica it is
             # that replica's value, summed across workers as TF does.)
             if not isinstance(value, DistributedValues) and op is ReduceOp.SUM and self.num_local_replicas > 1:
                 if isinstance(value, (int, float)) and value == 0:
-                    out.append(torch.as_tensor(value).to(device))
+                    out.append(exact_tensor(value).to(device))
                     continue
                 if not (isinstance(value, torch.Tensor) and self.owns(value)):
                     raise InvalidArgumentError(

@@ -30,6 +30,10 @@ This is the only module that touches torch's classes, and it is installed once p
   import clip_grad_norm_``) before a strategy exists, so the function that torch's
   ``_no_grad`` decorator wraps is replaced inside it: every reference, however imported,
   goes through the wrapper.
+- Backward: ``torch.autograd.backward`` (which ``Tensor.backward`` calls) gets a thin
+  wrapper too, for the same reason: inside ``run`` with several replicas it first hands the
+  loss to ``loss_scaling.check_backward``, which refuses a loss averaged over the replica's
+  own batch; everywhere else it calls torch's function at once.
 - Under ``torch.compile`` every routed method runs eagerly (``eager.never_compiled``): it
   meets the other replicas, which no graph can hold, and the update must stay exact.
 - A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
@@ -61,6 +65,7 @@ from torch.optim import optimizer as optimizer_module
 from torch_distribute import context
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
+from torch_distribute.strategies import loss_scaling, nonfinite
 
 _installed = False
 _install_lock = threading.Lock()
@@ -313,6 +318,19 @@ def _wrap_inside_no_grad(public: Any) -> None:
     setattr(torch.nn.utils, public.__name__, wrapped)
 
 
+def _wrap_backward(original: Any) -> Any:
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        replica = context.get_replica_context()
+        if replica is not None and replica.num_replicas_in_sync > 1:
+            grad_tensors = args[0] if args else kwargs.get("grad_tensors", kwargs.get("grad_variables"))
+            loss_scaling.check_backward(replica.strategy, replica.num_replicas_in_sync, tensors, grad_tensors)
+            nonfinite.record_loss(replica.strategy, replica.replica_id_in_sync_group, tensors)
+        return original(tensors, *args, **kwargs)
+
+    return _eager(backward)
+
+
 def _check_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     replica = context.get_replica_context()
     if replica is not None and replica.num_replicas_in_sync > 1 and optimizer not in _owners:
@@ -342,4 +360,5 @@ def install() -> None:
         scaler.update = _wrap_scaler_method(scaler.update, takes_optimizer=False)
         _wrap_inside_no_grad(clip_grad.clip_grad_norm_)
         _wrap_inside_no_grad(clip_grad.clip_grad_value_)
+        torch.autograd.backward = _wrap_backward(torch.autograd.backward)
         _installed = True

@@ -23,6 +23,7 @@ from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended
+from torch_distribute.strategies.nonfinite import NonFiniteMonitor
 from torch_distribute.strategies.replica_threads import ReplicaThreads, outside_replica_mode
 from torch_distribute.strategies.replicated import ReplicatedExtended
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode
@@ -55,6 +56,8 @@ class MirroredExtended(ReplicatedExtended):
         self._global_grads: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
             weakref.WeakKeyDictionary()
         )
+        self._nonfinite = NonFiniteMonitor(strategy)
+        self._steps_taken: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
     def _replica_threads(self) -> ReplicaThreads:
         if self._threads is None:
@@ -166,6 +169,10 @@ class MirroredExtended(ReplicatedExtended):
             self._sum_gradients(optimizer, records)
         elif shared:  # summed already (GradScaler.unscale_), then handed to every replica
             self._take_shared_gradients(records)
+        number = self._steps_taken.get(optimizer, 0) + 1
+        self._steps_taken[optimizer] = number
+        self._nonfinite.check([r.primary.grad for r in records],
+                              f"optimizer step {number} ({type(optimizer).__name__})", self._gather_nonfinite)
         result = step()
         self._after_step(records)
         if self.num_local_replicas > 1 or not self._state.replica0_is_primary:
@@ -225,6 +232,10 @@ class MirroredExtended(ReplicatedExtended):
 
     def _after_step(self, records: list[Any]) -> None:
         """Hook for multi-worker strategies (only one worker keeps the summed gradient)."""
+
+    def _gather_nonfinite(self, local: list[tuple[int, float]]) -> list[list[tuple[int, float]]]:
+        """Every worker's replicas with a non-finite loss (one worker here)."""
+        return [local]
 
     def _zero_replica_grads(self, optimizer: torch.optim.Optimizer, local_id: int, set_to_none: bool) -> None:
         for group in optimizer.param_groups:

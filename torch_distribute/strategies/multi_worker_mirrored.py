@@ -121,6 +121,11 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             synchronizer.attach_hooks()
         synchronizer.finish()
 
+    def _gather_nonfinite(self, local: list[tuple[int, float]]) -> list[list[tuple[int, float]]]:
+        if self._group is None:
+            return [local]
+        return self._group.all_gather_objects(local, what="non-finite gradient report")
+
     def _after_step(self, records: list[Any]) -> None:
         # Worker 0 keeps the summed gradient; the others drop it, so gradients accumulated
         # over several steps without zero_grad are still summed once.

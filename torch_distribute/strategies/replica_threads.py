@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
-from torch_distribute import context
+from torch_distribute import context, nest
 from torch_distribute.errors import ContextError, ReplicaMismatchError
 from torch_distribute.strategies.replica_rng import ReplicaRandomMode, RunSeed
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode
@@ -88,6 +88,15 @@ class _Run:
         self.run_seed = RunSeed()
         # The caller's current stream on each GPU that replicas share: the merges run on it.
         self.home_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # Tensors a merge_call handed to every replica as one value (id -> tensor, held so
+        # that the id is not reused while the run lasts): the strategy mirrored them.
+        self.merged_tensors: dict[int, torch.Tensor] = {}
+
+    def mirrored(self, leaf: Any) -> bool:
+        """Whether the strategy itself mirrored ``leaf`` on every replica: a tensor it
+        captured, or one a merge_call of this run returned to every replica."""
+        return isinstance(leaf, torch.Tensor) and (
+            id(leaf) in self.merged_tensors or self.strategy.extended.owns(leaf))
 
 
 class ReplicaThreads:
@@ -159,7 +168,7 @@ class ReplicaThreads:
             failure = next((e for e in errors if e is not None and not isinstance(e, _Abort)), None)
         if failure is not None:
             raise failure
-        return regroup(outputs)
+        return regroup(outputs, mirrored=current.mirrored)
 
     # -- one replica --------------------------------------------------------------------------
     def _execute(self, k: int, current: _Run) -> None:
@@ -232,13 +241,16 @@ class ReplicaThreads:
         merge_fn = requests[0][0]
         saved_frames = context.current_frames()
         try:
-            merged_args = regroup([r[1] for r in requests])
-            merged_kwargs = regroup([r[2] for r in requests])
+            merged_args = regroup([r[1] for r in requests], mirrored=current.mirrored)
+            merged_kwargs = regroup([r[2] for r in requests], mirrored=current.mirrored)
             context.set_frames(current.frames)
             context.push_frame(current.strategy, None)
             with outside_replica_mode(), self._intra_op(self._full_threads), _on_streams(current.home_streams):
                 result = merge_fn(current.strategy, *merged_args, **merged_kwargs)
             results = [select_replica(k, result) for k in range(self._n)]
+            for leaf in nest.leaves(result):
+                if isinstance(leaf, torch.Tensor):
+                    current.merged_tensors[id(leaf)] = leaf
         except BaseException as error:  # noqa: BLE001 - every replica raises it
             results = [_Abort() for _ in range(self._n)]
             with self._cond:
