@@ -4,6 +4,8 @@ as one device does (2 CPU replicas against one device, same global batch)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -90,3 +92,82 @@ def test_a_sampler_declared_as_this_workers_shard_with_auto_shard_policy_off_is_
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0))
     with pytest.raises(td.DatasetError, match="sharded twice"):
         strategy.experimental_distribute_dataset(loader, options)
+
+
+# -- a Keras string loss on a torch model's logits --------------------------------------------------
+
+
+def keras_model(strategy):
+    torch.manual_seed(0)
+    with strategy.scope():
+        return td.keras.Model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)))
+
+
+@pytest.mark.parametrize("loss", ["sparse_categorical_crossentropy", td.keras.losses.SparseCategoricalCrossentropy(),
+                                  "categorical_crossentropy", "binary_crossentropy"])
+def test_a_keras_string_loss_on_logits_warns_once_naming_from_logits(loss):
+    x, labels = examples().tensors
+    y = labels
+    if loss == "categorical_crossentropy":
+        y = torch.nn.functional.one_hot(labels, 3).float()
+    if loss == "binary_crossentropy":
+        y = torch.nn.functional.one_hot(labels, 3).float()  # three independent labels
+    model = keras_model(two_replicas())
+    model.compile(optimizer="sgd", loss=loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)
+    about_logits = [w for w in caught if "from_logits=True" in str(w.message)]
+    assert len(about_logits) == 1, [str(w.message) for w in caught]
+    message = str(about_logits[0].message)
+    assert "look like logits" in message and "outside [0, 1]" in message
+    name = {"sparse_categorical_crossentropy": "SparseCategoricalCrossentropy",
+            "categorical_crossentropy": "CategoricalCrossentropy",
+            "binary_crossentropy": "BinaryCrossentropy"}.get(loss, "SparseCategoricalCrossentropy")
+    assert f"td.keras.losses.{name}(from_logits=True)" in message
+
+
+def test_probabilities_and_from_logits_true_train_without_a_warning_and_as_one_device():
+    x, y = examples().tensors
+    weights = []
+    for strategy in (td.OneDeviceStrategy("cpu"), two_replicas()):
+        model = keras_model(strategy)
+        model.compile(optimizer="sgd", loss=td.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning at all
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(weights[1], weights[0])
+    # A softmax output (probabilities, summing to 1) with the string loss: no warning either.
+    torch.manual_seed(0)
+    softmax = td.keras.Model(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(-1)))
+    softmax.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        softmax.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    # Probabilities that do not sum to 1 (a sigmoid per class) with a categorical loss: warned.
+    loss = td.keras.losses.CategoricalCrossentropy()
+    with pytest.warns(UserWarning, match="do not sum to 1 along the class axis"):
+        loss(torch.eye(3)[:2], torch.sigmoid(torch.randn(2, 3)))
+
+
+def test_the_probability_check_reads_only_the_first_batches():
+    """Only the first calls look at the values (each reads them back to the host: a device
+    synchronisation); later calls add no operation at all."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountMinMax(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.aminmax:
+                CountMinMax.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = td.keras.losses.SparseCategoricalCrossentropy()
+    probs, labels = torch.softmax(torch.randn(16, 10), -1), torch.randint(0, 10, (16,))
+    with CountMinMax():
+        loss(labels[:0], probs[:0])  # an empty replica's batch is not counted
+        for _ in range(10):
+            loss(labels, probs)
+    assert CountMinMax.calls == 3
