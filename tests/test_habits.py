@@ -171,3 +171,38 @@ def test_the_probability_check_reads_only_the_first_batches():
         for _ in range(10):
             loss(labels, probs)
     assert CountMinMax.calls == 3
+
+
+# -- compute_average_loss without global_batch_size on a ragged last batch -------------------------
+
+
+def test_compute_average_loss_without_global_batch_size_warns_on_the_ragged_batch_with_the_number():
+    data = examples(28)  # 3 global batches of 8 and a ragged one of 4
+    strategy = two_replicas()
+
+    with strategy.scope():
+        model = torch.nn.Linear(4, 3)
+
+    def step(x, y):
+        per_example = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        return td.compute_average_loss(per_example)  # the habit: no global_batch_size
+
+    batches = strategy.experimental_distribute_dataset(DataLoader(data, batch_size=GLOBAL_BATCH))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two epochs: still one warning
+            for x, y in batches:
+                strategy.run(step, args=(x, y))
+    ragged = [w for w in caught if "global_batch_size" in str(w.message)]
+    assert len(ragged) == 1, [str(w.message) for w in caught]
+    message = str(ragged[0].message)
+    assert "got 2 rows" in message and "fewer than the 4" in message
+    assert "global_batch_size=8" in message
+    assert ragged[0].filename == __file__  # points at the user's line
+
+    # The named fix trains as one device does, ragged batch included.
+    one_device = train(td.OneDeviceStrategy("cpu"), DataLoader(data, batch_size=GLOBAL_BATCH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two = train(strategy, strategy.experimental_distribute_dataset(DataLoader(data, batch_size=GLOBAL_BATCH)))
+    torch.testing.assert_close(two, one_device)
