@@ -40,7 +40,7 @@ import torch.distributed as dist
 # exit ("terminate called without an active exception") happened.
 import torch.distributed.nn.functional  # noqa: F401
 
-from torch_distribute.collectives import exchange, fingerprint, network
+from torch_distribute.collectives import exchange, fingerprint, network, store_sockets
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -125,6 +125,7 @@ class WorkerGroup:
                 "torch.distributed is already initialized in this process; create the "
                 "MultiWorkerMirroredStrategy before any other process group (or destroy it first)."
             )
+        _remember_store(host, port)
         self.store = self._rendezvous()
         # Heartbeats from here on: a worker that dies during the rest of the start-up is named.
         self._heartbeat.start()
@@ -615,29 +616,63 @@ class WorkerGroup:
 # (pybind11 meets pthread_exit: "terminate called without an active exception", SIGABRT),
 # whatever the program's status was. _end_before_teardown, registered when this module is
 # imported and so run after every atexit handler registered later (WorkerGroup._at_exit among
-# them), ends the process itself instead.
+# them), wakes those calls (store_sockets.py) or, failing that, ends the process itself.
 _STORE_THREADS: list[threading.Thread] = []
+# (the store's addresses, its port) of every group made in this process: whom the calls wait on.
+_STORES: list[tuple[list[str], int]] = []
+
+
+def _remember_store(host: str, port: int) -> None:
+    _STORES.append((store_sockets.addresses_of(host), port))
+
+
+def _wake_blocked_store_calls(seconds: float) -> bool:
+    """Shut down this process's connections to the stores until every store thread has ended
+    (a client retrying reconnects, and is shut down again); whether they all did."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [thread for thread in _STORE_THREADS if thread.is_alive()]
+        if not alive:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        for addresses, port in _STORES:
+            store_sockets.shut_down_connections_to(addresses, port)
+        for thread in alive:
+            thread.join(0.05)
 
 
 def _end_before_teardown() -> None:
-    """If a store call is still blocked (the chief is stopped or cut off), end the process now
-    with the status it was about to have: 1 after an uncaught exception, 0 otherwise (a
-    ``sys.exit(n)`` status cannot be seen here and becomes 0), stdout and stderr flushed."""
+    """If a store call is still blocked (the chief is stopped or cut off), wake it: the process
+    then exits with the status its program asked for (``sys.exit(n)``, 1 after an uncaught
+    exception). Where that fails (no ``/proc``), end the process now, stdout and stderr
+    flushed, with 1 after an uncaught exception and otherwise 0 (a ``sys.exit(n)`` status
+    cannot be seen from here)."""
     deadline = time.monotonic() + 1.0
     for thread in _STORE_THREADS:
         thread.join(max(0.0, deadline - time.monotonic()))
     if not any(thread.is_alive() for thread in _STORE_THREADS):
         return
+    _note("a call to worker 0's store is still blocked (worker 0 is stopped or unreachable); "
+          "closing this process's connections to it before exiting (torch may log "
+          "'recvValue failed' for them)")
+    if _wake_blocked_store_calls(5.0):
+        return
     status = 1 if getattr(sys, "last_value", None) is not None else 0
     try:
-        sys.stderr.write(
-            "torch-distribute: a call to worker 0's store is still blocked (worker 0 is stopped or "
-            f"unreachable); ending this process now with status {status}, before the interpreter's "
-            "teardown, which would abort when that call returns.\n")
+        _note(f"the call is still blocked; ending this process now with status {status}, before "
+              "the interpreter's teardown, which would abort when that call returns")
         sys.stdout.flush()
-        sys.stderr.flush()
     finally:
         os._exit(status)
+
+
+def _note(message: str) -> None:
+    try:
+        sys.stderr.write(f"torch-distribute: {message}.\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 atexit.register(_end_before_teardown)
