@@ -61,3 +61,30 @@ def test_the_launcher_names_the_worker_that_failed_first_with_its_error(tmp_path
     assert re.search(r"worker rank 1 \(pid \d+\) failed with exit code 1 \(ValueError: bad batch on worker 1\)",
                      last), last
     assert "it failed first (worker rank 0 exited before it" in last, last
+
+
+SIZE_CHECK = """
+import torch_distribute as td
+try:
+    td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=60))
+except td.ClusterConfigError as error:
+    print("REPORTED", error, flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_workers_started_with_different_cluster_sizes_are_told_so_at_once(tmp_path):
+    """Worker 0 is given a cluster of 2, worker 1 one of 3 (same chief address): both say what
+    differs, long before the 60 s a missing worker would be waited for."""
+    ports = free_ports(3)
+    clusters = {0: ports[:2], 1: ports}
+    with P.processes(tmp_path) as procs:
+        workers = {rank: procs.spawn(["-c", SIZE_CHECK], P.clean_env(TF_CONFIG=json.dumps(
+            {"cluster": {"worker": [f"127.0.0.1:{p}" for p in clusters[rank]]}, "task": {"type": "worker", "index": rank}})),
+            f"worker{rank}") for rank in (0, 1)}
+        for rank, worker in workers.items():
+            assert procs.wait(worker, 50) == 0, procs.output(worker)[-3000:]
+            reported = next(line for line in procs.output(worker).splitlines() if line.startswith("REPORTED"))
+            sizes = "worker 0 with 2 workers, worker 1 with 3" if rank == 0 else "worker 1 with 3 workers, worker 0 with 2"
+            assert f"The workers were started with different cluster sizes: {sizes}" in reported, reported
+            assert "restarting with the same configuration fails the same way" in reported

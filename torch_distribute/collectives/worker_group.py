@@ -54,6 +54,7 @@ from torch_distribute.collectives.communication import (
 )
 from torch_distribute.collectives.packing import apply_packed_
 from torch_distribute.errors import (
+    ClusterConfigError,
     InvalidArgumentError,
     PeerProgramError,
     ReplicaMismatchError,
@@ -213,8 +214,9 @@ class WorkerGroup:
             ) from error
         joined = [f"{_JOINED_PREFIX}{r}" for r in range(self.world_size)]
         try:
-            self._within(lambda: (store.set(joined[self.rank], "1"), store.wait(joined, self._timeout)),
-                         timeout + self._store_deadline)
+            self._within(lambda: self._join(store, joined), timeout + self._store_deadline)
+        except ClusterConfigError:
+            raise
         except TimeoutError as error:
             raise WorkerUnavailableError(
                 f"Worker {self.rank} reached the chief's store at {self.host}:{self.port}, but it "
@@ -230,6 +232,35 @@ class WorkerGroup:
                 "CommunicationOptions(timeout_seconds=...)."
             ) from error
         return store
+
+    def _join(self, store: dist.TCPStore, joined: list[str]) -> None:
+        """Say that this worker joined (with the cluster size it was given) and wait for the
+        others, comparing their cluster sizes while waiting: workers started with different
+        cluster descriptions get ``ClusterConfigError`` at once, not a timeout."""
+        store.set(joined[self.rank], str(self.world_size))
+        end = time.monotonic() + self.options.timeout
+        while True:
+            self._check_same_cluster_size(store, joined)
+            try:
+                store.wait(joined, datetime.timedelta(seconds=max(0.01, min(0.5, end - time.monotonic()))))
+                break
+            except dist.DistStoreError:  # this slice's wait timed out
+                if time.monotonic() >= end:
+                    raise
+        self._check_same_cluster_size(store, joined)
+
+    def _check_same_cluster_size(self, store: dist.TCPStore, joined: list[str]) -> None:
+        sizes = {rank: store.get(key).decode() for rank, key in enumerate(joined) if store.check([key])}
+        differing = {rank: size for rank, size in sizes.items() if size != str(self.world_size)}
+        if differing:
+            listing = ", ".join(f"worker {rank} with {size}" for rank, size in sorted(differing.items()))
+            raise ClusterConfigError(
+                f"The workers were started with different cluster sizes: worker {self.rank} with "
+                f"{self.world_size} workers, {listing} (rendezvous at {self.host}:{self.port}). Start "
+                "every worker with the same cluster description (TF_CONFIG's cluster, torchrun's "
+                "--nnodes/--nproc-per-node, SLURM's task count); restarting with the same "
+                "configuration fails the same way."
+            )
 
     def _gpus_shared_with_others(self, gpus: Sequence[str]) -> str | None:
         """Which other worker drives one of ``gpus`` (the physical GPUs of this worker), if any."""
