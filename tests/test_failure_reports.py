@@ -88,3 +88,19 @@ def test_workers_started_with_different_cluster_sizes_are_told_so_at_once(tmp_pa
             sizes = "worker 0 with 2 workers, worker 1 with 3" if rank == 0 else "worker 1 with 3 workers, worker 0 with 2"
             assert f"The workers were started with different cluster sizes: {sizes}" in reported, reported
             assert "restarting with the same configuration fails the same way" in reported
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_the_status_is_the_programs_and_the_root_cause_is_the_worker_that_raised(tmp_path):
+    """The same job under torchrun: worker 0 exits with the 7 it asked for, and torchrun's
+    summary names worker 1's ValueError as the root cause (the records in its error files)."""
+    with P.processes(tmp_path) as procs:
+        job = procs.spawn(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_ports(1)[0]), WORKER, "raise-slow"], P.clean_env(), "torchrun")
+        code = procs.wait(job, 200)
+        text = procs.output(job)
+    assert code == 1, text[-4000:]
+    assert "REPORTED PeerProgramError" in text, text[-4000:]
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 7 ", text), text[-4000:]
+    root = text.split("Root Cause (first observed failure):", 1)[1]
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root) and "ValueError: bad batch on worker 1" in root, root

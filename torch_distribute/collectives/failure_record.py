@@ -52,8 +52,10 @@ def write(error: BaseException | None, consequence: bool) -> None:
         stack = "".join(traceback.format_exception(error))
     else:
         message, stack = "the program exited after a failure of another worker was reported", ""
+    # torchrun names the failure with the smallest whole-second timestamp, the lowest rank on
+    # a tie: a consequence, seldom a second after its cause, is dated a second later.
     content = {"message": {"message": message, "extraInfo": {
-        "py_callstack": stack, "timestamp": str(int(now)),
+        "py_callstack": stack, "timestamp": str(int(now) + int(consequence)),
         "td_time": repr(now), "td_consequence": consequence}}}
     try:
         with open(path, "x") as file:

@@ -239,14 +239,12 @@ class WorkerGroup:
         cluster descriptions get ``ClusterConfigError`` at once, not a timeout."""
         store.set(joined[self.rank], str(self.world_size))
         end = time.monotonic() + self.options.timeout
-        while True:
+        # Polled with check (store.wait logs a warning each time it times out).
+        while not store.check(joined):
             self._check_same_cluster_size(store, joined)
-            try:
-                store.wait(joined, datetime.timedelta(seconds=max(0.01, min(0.5, end - time.monotonic()))))
-                break
-            except dist.DistStoreError:  # this slice's wait timed out
-                if time.monotonic() >= end:
-                    raise
+            if time.monotonic() >= end:
+                store.wait(joined, datetime.timedelta(seconds=0.01))  # raises, as before
+            time.sleep(0.05)
         self._check_same_cluster_size(store, joined)
 
     def _check_same_cluster_size(self, store: dist.TCPStore, joined: list[str]) -> None:
