@@ -50,9 +50,9 @@ class ProbabilityCheck:
         self._lock = threading.Lock()
 
     def __call__(self, y_pred: torch.Tensor) -> None:
-        # Not while torch.compile traces (jit_compile=True): a guard on the countdown would
-        # recompile the step at each of the first calls.
-        if torch.compiler.is_compiling() or self._calls_left <= 0 or not isinstance(y_pred, torch.Tensor) or y_pred.numel() == 0:
+        # Not while torch.compile traces (jit_compile=True): the countdown would change under
+        # its guard and recompile the step at each of the first calls.
+        if self._calls_left <= 0 or torch.compiler.is_compiling() or not isinstance(y_pred, torch.Tensor) or y_pred.numel() == 0:
             return
         self._inspect(y_pred)
 
