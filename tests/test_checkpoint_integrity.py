@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -386,3 +387,52 @@ def test_single_process_saves_use_no_collective(tmp_path, monkeypatch):
     manager = CheckpointManager(checkpoint, tmp_path / "m", max_to_keep=1)
     assert os.path.isfile(manager.save()) and os.path.isfile(checkpoint.save(tmp_path / "c"))
     assert manager.restore_or_initialize() == manager.latest_checkpoint
+
+
+# -- a full disk or a file-size limit: the system's reason, not torch's "unexpected pos" ----------
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_says_no_space_left_and_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "tiny"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 64 KiB tmpfs here: {mounted.stderr.strip()}")
+    try:
+        small = nn.Linear(4, 4)
+        first = td.Checkpoint(model=small).save(str(disk / "ckpt"))
+        big = td.Checkpoint(model=nn.Linear(200, 200), step=torch.tensor(1))  # 160 KB of weights
+        with pytest.raises(td.CheckpointError) as info:
+            big.save(str(disk / "ckpt"))
+        message = str(info.value)
+        assert "No space left on device (errno 28)" in message and str(disk / "ckpt-") in message, message
+        assert f"bytes free in {disk}" in message and "unexpected pos" not in message, message
+        restored = nn.Linear(4, 4)
+        td.Checkpoint(model=restored).restore(first)
+        torch.testing.assert_close(restored.weight, small.weight)
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+FILE_SIZE_LIMITED = """
+import resource, signal, sys
+import torch, torch_distribute as td
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
+try:
+    td.Checkpoint(model=torch.nn.Linear(200, 200)).save(sys.argv[1])
+except td.CheckpointError as error:
+    print("REPORTED", error)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="POSIX limits")
+def test_a_file_size_limit_says_file_too_large(tmp_path):
+    done = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMITED, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=50)
+    assert "REPORTED" in done.stdout, done.stdout + done.stderr
+    assert "File too large (errno 27)" in done.stdout and str(tmp_path / "ckpt-1") in done.stdout, done.stdout
+    assert not list(tmp_path.glob("ckpt-1*")), "the partial file was left behind"

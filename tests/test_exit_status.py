@@ -4,9 +4,10 @@ A thread that returns from torch's store (C++) while the interpreter finalizes a
 process ("terminate called without an active exception"), which is what a stopped chief
 leaves behind: the worker's calls to its store wait for answers that never come (they time
 out later, possibly during the teardown). Here the
-chief is a process that serves a ``TCPStore`` and is then stopped (SIGSTOP); worker 1 builds
-a ``MultiWorkerMirroredStrategy`` against it, gets ``WorkerUnavailableError`` naming worker 0,
-and must exit with status 1 (the uncaught exception's).
+chief is a process that serves a ``TCPStore`` and is then stopped (SIGSTOP); workers build
+a ``MultiWorkerMirroredStrategy`` against it and get ``WorkerUnavailableError`` naming worker
+0. Each must exit with the status its program asked for: 1 for the uncaught exception, 3 for
+a program that catches it and calls ``sys.exit(3)``, 0 for one that catches it and ends.
 """
 
 from __future__ import annotations
@@ -45,14 +46,27 @@ class SlowToFinalize:
         time.sleep(4)
 
 keep = SlowToFinalize()
+import sys
 import torch_distribute as td
-td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=4))
-print("unexpectedly built", flush=True)
+
+def build():
+    td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=4))
+    print("unexpectedly built", flush=True)
+
+if sys.argv[1] == "uncaught":
+    build()
+try:
+    build()
+except td.WorkerUnavailableError as error:
+    print("caught:", error, flush=True)
+    if sys.argv[1] == "exit 3":
+        sys.exit(3)
 """
+ENDINGS = {"uncaught": 1, "exit 3": 3, "caught": 0}
 
 
 @pytest.mark.timeout(150)
-def test_a_worker_of_a_stopped_chief_exits_with_status_1(tmp_path):
+def test_a_worker_of_a_stopped_chief_exits_with_the_status_its_program_asked_for(tmp_path):
     port = free_ports(1)[0]
     cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{free_ports(1)[0]}"]}
     env = P.clean_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}}))
@@ -64,12 +78,15 @@ def test_a_worker_of_a_stopped_chief_exits_with_status_1(tmp_path):
             time.sleep(0.1)
         os.kill(chief.pid, signal.SIGSTOP)
         try:
-            worker = procs.spawn(["-c", WORKER], env, "worker")
-            code = procs.wait(worker, 60)
-            text = procs.output(worker)
-            assert code == 1, f"status {code}\n{text[-3000:]}"
-            assert "WorkerUnavailableError" in text and "worker 0" in text, text[-3000:]
-            assert "terminate called" not in text, text[-3000:]
+            workers = {ending: procs.spawn(["-c", WORKER, ending], env, ending.replace(" ", "_"))
+                       for ending in ENDINGS}
+            for ending, worker in workers.items():
+                code = procs.wait(worker, 60)
+                text = procs.output(worker)
+                assert code == ENDINGS[ending], f"{ending}: status {code}\n{text[-3000:]}"
+                assert "WorkerUnavailableError" in text or "caught:" in text, text[-3000:]
+                assert "worker 0" in text and "terminate called" not in text, text[-3000:]
+                assert "ending this process now" not in text, text[-3000:]
         finally:
             os.kill(chief.pid, signal.SIGCONT)
 

@@ -404,6 +404,10 @@ def test_two_workers_optional_end_of_data_and_fit_with_the_dataset_policy():
         assert results[rank]["has_value"] == [True, True, True, False, False]
         assert results[rank]["agreements"] == 5  # one per call, none more
         assert results[rank]["policy"] == "OFF"
+        # The DDP habit: DistributedSampler(dataset) given to experimental_distribute_dataset.
+        assert f"DistributedSampler(num_replicas=2, rank={rank})" in results[rank]["ddp_refused"]
+        assert "sharded twice" in results[rank]["ddp_refused"]
+        assert results[rank]["ddp_declared_rows"] == 4  # declared as the worker's share: half of 8
     assert results[0]["local_rows"] == [4, 4, 4]
     assert results[1]["local_rows"] == [4, 4, 0]  # ran out: an empty batch while worker 0 has data
     assert results[0]["params"] == results[1]["params"]

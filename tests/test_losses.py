@@ -114,6 +114,7 @@ def test_compute_average_loss_in_replicas(n):
     torch.testing.assert_close(strategy.reduce("sum", out, axis=None), per_example.mean())
 
 
+@pytest.mark.filterwarnings("ignore:td.compute_average_loss.. without global_batch_size")  # uneven on purpose
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_compute_average_loss_default_batch_is_local_times_n(n):
     strategy = make_strategy(n)

@@ -61,7 +61,25 @@ class CheckpointError(DistributeError, OSError):
 
 
 class WorkerUnavailableError(DistributeError, RuntimeError):
-    """A worker process died, hung or could not be reached: restart the job and restore."""
+    """A worker process died, hung or could not be reached: restart the job and restore.
+
+    ``restart_can_help`` says whether restarting can: False when the worker left because
+    its program raised (``PeerProgramError``).
+    """
+
+    restart_can_help = True
+
+
+class PeerProgramError(WorkerUnavailableError):
+    """Another worker's program raised an exception and that worker exited: a bug to fix (its
+    traceback is in its output), which a restart runs into again. ``errors`` maps each such
+    worker's index to its error."""
+
+    restart_can_help = False
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
 
 
 class ClusterConfigError(DistributeError, ValueError):

@@ -8,10 +8,16 @@ device.
 Always pass ``global_batch_size``. Without it the global batch is guessed as
 ``local_batch × num_replicas``, which is wrong on a ragged last batch (7 examples over 2
 replicas: one replica has 4, the other 3; neither 4×2 nor 3×2 is 7) and on empty replicas.
+A call without it that gets fewer rows than an earlier call from the same line of the
+program (under the same strategy) warns once, naming the number to pass.
 """
 
 from __future__ import annotations
 
+import inspect
+import threading
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -54,6 +60,8 @@ def compute_average_loss(
         loss = loss * _align_weight(torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device), loss)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
+        if not torch.compiler.is_compiling():
+            _GUESSES.record(replica, loss.shape[0], inspect.currentframe())
     elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
         if isinstance(global_batch_size, torch.Tensor) and global_batch_size.dim() == 0 and not global_batch_size.is_floating_point():
             global_batch_size = int(global_batch_size)
@@ -67,6 +75,50 @@ def compute_average_loss(
     if global_batch_size == 0:
         return total * 0.0
     return total / global_batch_size
+
+
+class _GuessedBatchSizes:
+    """The most rows a call of ``compute_average_loss`` without ``global_batch_size`` got,
+    per strategy and per calling line; a call with fewer warns once for that line."""
+
+    _WARNED = -1  # in place of a line's largest batch once it warned
+
+    def __init__(self) -> None:
+        self._largest: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def record(self, replica: ReplicaContext, rows: int, frame: Any) -> None:
+        """``frame``: ``compute_average_loss``'s own; the line that called it is the site."""
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with self._lock:
+            try:
+                per_site = self._largest.setdefault(replica.strategy, {})
+            except TypeError:  # a strategy that cannot be weakly referenced: not tracked
+                return
+            largest = per_site.get(site, 0)
+            if largest == self._WARNED or rows >= largest:
+                if largest != self._WARNED:
+                    per_site[site] = rows
+                return
+            per_site[site] = self._WARNED
+        replicas = replica.num_replicas_in_sync
+        warnings.warn(
+            f"td.compute_average_loss() without global_batch_size got {rows} rows on replica "
+            f"{replica.replica_id_in_sync_group}, fewer than the {largest} of an earlier batch "
+            f"({site[0]}:{site[1]}): the global batch is guessed as rows × replicas = "
+            f"{rows} × {replicas} = {rows * replicas}, so the examples of this smaller (last) batch "
+            f"weigh more than the others and the gradient differs from one device's. Pass the "
+            f"dataset's global batch size: compute_average_loss(..., global_batch_size="
+            f"{largest * replicas}) ({largest} rows × {replicas} replicas).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+_GUESSES = _GuessedBatchSizes()
 
 
 def _align_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,24 @@ def own_policy(dataset: list) -> td.data.DatasetWithOptions:
     return td.data.with_options(dataset, options)
 
 
+def ddp_sampler_habit(strategy: td.MultiWorkerMirroredStrategy) -> tuple[str, int]:
+    """A DDP loader, ``DistributedSampler(dataset)`` (its shard from the process group), given to
+    experimental_distribute_dataset: the error; then the same loader declared as this worker's
+    share (AutoShardPolicy.OFF): the rows this worker reads in an epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    examples = TensorDataset(torch.arange(16.0).reshape(8, 2))
+    loader = DataLoader(examples, batch_size=2, sampler=DistributedSampler(examples, shuffle=False))
+    try:
+        strategy.experimental_distribute_dataset(loader)
+        refused = ""
+    except td.DatasetError as error:
+        refused = str(error)
+    declared = strategy.experimental_distribute_dataset(own_policy(loader))
+    rows = sum(int(strategy.experimental_local_results(x)[0].shape[0]) for (x,) in declared)
+    return refused, rows
+
+
 def main() -> None:
     strategy = td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=30))
     rank = strategy.extended.worker_index
@@ -60,6 +78,7 @@ def main() -> None:
         if optional.has_value():
             local_rows.append(int(strategy.experimental_local_results(optional.get_value()[0])[0].shape[0]))
     via_strategy = strategy.experimental_distribute_dataset(own_policy(share(rank, 2)))
+    ddp_refused, ddp_declared_rows = ddp_sampler_habit(strategy)
 
     torch.manual_seed(0)
     with strategy.scope():
@@ -68,7 +87,8 @@ def main() -> None:
     data = [(x, y.unsqueeze(1)) for x, y in share(rank, 2)]
     model.fit(own_policy(data), epochs=1, verbose=0)
     H.emit({"rank": rank, "has_value": has_value, "local_rows": local_rows, "agreements": len(agreements),
-            "policy": via_strategy.shard_policy.name,
+            "policy": via_strategy.shard_policy.name, "ddp_refused": ddp_refused,
+            "ddp_declared_rows": ddp_declared_rows,
             "params": [float(v) for p in model.parameters() for v in p.detach().reshape(-1)]})
 
 

@@ -71,6 +71,7 @@ __all__ = [
     "remove_stale_temporaries",
     "save_file",
     "temporary_directory_name",
+    "write_failure",
 ]
 
 #: In a sharded checkpoint directory: the payload with tensors replaced by their keys, and
@@ -228,9 +229,11 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> Any:
             os.fsync(f.fileno())
         os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(error, OSError) and not isinstance(error, CheckpointError):
+            raise write_failure(path, error) from error
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable (not on Windows)
         dir_fd = os.open(directory, os.O_RDONLY)
@@ -239,6 +242,22 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> Any:
         finally:
             os.close(dir_fd)
     return result
+
+
+def write_failure(path: str, error: OSError) -> CheckpointError:
+    """The ``CheckpointError`` for an ``OSError`` while writing ``path``: what the system said
+    (``No space left on device``, ``File too large``...) and the free space where it failed."""
+    directory = directory_of(path)
+    try:
+        free = f"; {shutil.disk_usage(directory).free:,} bytes free in {directory}"
+    except OSError:
+        free = ""
+    reason = f"{os.strerror(error.errno)} (errno {error.errno})" if error.errno else str(error)
+    return CheckpointError(
+        f"Could not write checkpoint {path!r}: {reason}{free}. "
+        "Nothing was replaced: the previous checkpoint, if any, is intact. Free space (or raise the "
+        "quota or file-size limit) there, or save to another directory."
+    )
 
 
 # -- checksums ---------------------------------------------------------------------------------
@@ -250,11 +269,17 @@ class _ChecksumWriter:
         self._file = f
         self._hash = hashlib.sha256()
         self._held = b""
+        # The file's own error (a full disk): torch.save reports it as "unexpected pos".
+        self.error: OSError | None = None
 
     def _emit(self, data: Any) -> None:
         if len(data):
             self._hash.update(data)
-            self._file.write(data)
+            try:
+                self._file.write(data)
+            except OSError as error:
+                self.error = self.error or error
+                raise
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -290,7 +315,12 @@ def save_file(path: str, payload: Any) -> str:
 
     def write(f: IO[bytes]) -> str:
         writer = _ChecksumWriter(f)
-        torch.save(payload, writer)  # type: ignore[arg-type]
+        try:
+            torch.save(payload, writer)  # type: ignore[arg-type]
+        except Exception as error:
+            if writer.error is not None:  # what torch's "unexpected pos" hides
+                raise writer.error from error
+            raise
         return writer.finish()
 
     return atomic_write(path, write)

@@ -403,6 +403,8 @@ def write_checkpoint_file(
             digest = save_file(path, payload)
             if after_write is not None:
                 after_write()
+        except CheckpointError:
+            raise  # says what happened already (a full disk)
         except Exception as exc:
             raise CheckpointError(f"Could not write checkpoint {path!r}: {exc}. {hint}") from exc
         return digest

@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
+
+from torch_distribute.collectives import failure_record
 
 __all__ = [
     "EXIT_TIMEOUT",
@@ -194,6 +198,8 @@ class ProcessSupervisor:
         self.lock = threading.Lock()
         self.processes: list[SupervisedProcess] = []
         self.received: list[int] = []  # signals received by the supervisor, in order
+        self.error_dir: str | None = None  # the tasks' failure records (start_all)
+        self.seen_failed: list[SupervisedProcess] = []  # found failed in the last poll (_watch)
 
     def log(self, message: str) -> None:
         """Write one message of the supervisor's own (never fails)."""
@@ -229,10 +235,44 @@ class ProcessSupervisor:
         return process
 
     def start_all(self, specs: Sequence[TaskSpec]) -> None:
-        """Start every task; they become the supervised set (``processes``)."""
+        """Start every task; they become the supervised set (``processes``).
+
+        Each gets a file of its own in ``TORCHELASTIC_ERROR_FILE`` where it records how it
+        failed (``collectives/failure_record.py``), read by ``first_failure``.
+        """
+        self._remove_error_files()
+        self.error_dir = tempfile.mkdtemp(prefix="td-failures-")
         self.processes = []
-        for spec in specs:
-            self.processes.append(self.start(spec))
+        for index, spec in enumerate(specs):
+            path = os.path.join(self.error_dir, f"task{index}.json")
+            env = {**spec.env, failure_record.ERROR_FILE_ENV: path}
+            self.processes.append(self.start(TaskSpec(spec.name, spec.prefix, spec.command, env, spec.restartable)))
+
+    def _remove_error_files(self) -> None:
+        if self.error_dir:
+            shutil.rmtree(self.error_dir, ignore_errors=True)
+            self.error_dir = None
+
+    def first_failure(self, seen: Sequence[SupervisedProcess]) -> tuple[SupervisedProcess, int, str]:
+        """After a failure (``seen``: the tasks found failed, in that order) and ``stop_all``:
+        the task that failed first, the job's exit code, and the error it recorded (or "").
+
+        Not simply the first exit seen: a worker that raises may still be ending when
+        another, which lost it as a partner, has already exited.
+        """
+        candidates = [*seen, *(p for p in self.processes if p not in seen)]
+        records = {id(p): failure_record.read(p.spec.env[failure_record.ERROR_FILE_ENV])
+                   for p in candidates if failure_record.ERROR_FILE_ENV in p.spec.env}
+        entries = [(id(p), records.get(id(p)), p in seen) for p in candidates
+                   if p.poll() not in (None, 0)]
+        chosen_id = failure_record.first_failure(entries) if entries else id(seen[0])
+        chosen = next(p for p in candidates if id(p) == chosen_id)
+        record = records.get(chosen_id)
+        code = chosen.poll() or 0
+        if chosen not in seen and record is not None:
+            code = 1  # stopped by us while it ended after its uncaught exception
+        error = record.message.splitlines()[0] if record is not None and record.message else ""
+        return chosen, code, error if len(error) <= 300 else error[:297] + "..."
 
     def stop_all(self) -> None:
         """SIGTERM every task's group, wait up to the grace period, SIGKILL what is left."""
@@ -326,10 +366,10 @@ class ProcessSupervisor:
             if deadline is not None and time.monotonic() >= deadline:
                 return "timeout", None, 0
             codes = [p.poll() for p in self.processes]
-            failed = [(p, c) for p, c in zip(self.processes, codes, strict=True) if c is not None and c != 0]
+            failed = [p for p, c in zip(self.processes, codes, strict=True) if c is not None and c != 0]
             if failed:
-                process, code = failed[0]  # the first listed among those that failed this poll
-                return "failed", process, code
+                self.seen_failed = failed  # which came first is decided by first_failure
+                return "failed", failed[0], failed[0].poll() or 0
             if all(c == 0 for c in codes):
                 return "ok", None, 0
             time.sleep(POLL_S)
@@ -347,6 +387,13 @@ class ProcessSupervisor:
         0, the failed task's exit code once restarts are exhausted, ``EXIT_TIMEOUT`` when
         ``timeout`` seconds pass, or 128 + signal number when interrupted.
         """
+        try:
+            return self._run_gang(make_tasks, max_restarts, timeout)
+        finally:
+            self._remove_error_files()
+
+    def _run_gang(self, make_tasks: Callable[[int], Sequence[TaskSpec]], max_restarts: int,
+                  timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         attempt = 0
         while True:
@@ -364,8 +411,14 @@ class ProcessSupervisor:
                 self.stop_all()
                 return EXIT_TIMEOUT
             assert process is not None
-            what = f"{process.spec.name} (pid {process.pid}) {describe_status(code)}"
             self.stop_all()
+            exited_first = self.seen_failed[0]
+            process, code, error = self.first_failure(self.seen_failed)
+            what = f"{process.spec.name} (pid {process.pid}) {describe_status(code)}"
+            if error:
+                what += f" ({error})"
+            if process is not exited_first:
+                what += f"; it failed first ({exited_first.spec.name} exited before it, failing after it)"
             if self.received:
                 return self._interrupted()
             if attempt < max_restarts:

@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
@@ -40,7 +41,14 @@ import torch.distributed as dist
 # exit ("terminate called without an active exception") happened.
 import torch.distributed.nn.functional  # noqa: F401
 
-from torch_distribute.collectives import exchange, fingerprint, network, rendezvous_views
+from torch_distribute.collectives import (
+    exchange,
+    failure_record,
+    fingerprint,
+    network,
+    rendezvous_views,
+    store_sockets,
+)
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -50,6 +58,7 @@ from torch_distribute.collectives.store_connect import connect_store
 from torch_distribute.errors import (
     ClusterConfigError,
     InvalidArgumentError,
+    PeerProgramError,
     ReplicaMismatchError,
     WorkerUnavailableError,
 )
@@ -61,6 +70,7 @@ _LEFT_PREFIX = "td/left/"
 _JOINED_PREFIX = "td/joined/"
 _GPUS_PREFIX = "td/gpus/"
 _FINISHED = "finished"  # the value under _LEFT_PREFIX of a worker whose program ended normally
+_RAISED = "raised: "  # ... of one whose program raised (not a lost partner), then its error
 
 
 class Agreement(NamedTuple):
@@ -78,11 +88,13 @@ class Agreement(NamedTuple):
 
 class MissingWorkers(NamedTuple):
     """Who is gone: ranks that exited (``finished`` those whose program ended without an
-    error) and ranks whose heartbeat stopped."""
+    error, ``raised`` those whose program raised, with their error) and ranks whose heartbeat
+    stopped."""
 
     exited: list[int]
     silent: list[int]
     finished: list[int]
+    raised: dict[int, str] = {}
 
     @property
     def anyone(self) -> bool:
@@ -146,6 +158,7 @@ class WorkerGroup:
     def _start(self, gpus: Sequence[str]) -> None:
         """Rendezvous at the chief's store, then make the process group and ours."""
         options, rank, world_size, host = self.options, self.rank, self.world_size, self.host
+        _remember_store(host, self.port)
         self.store = self._rendezvous()
         # Heartbeats from here on: a worker that dies during the rest of the start-up is named.
         self._heartbeat.start()
@@ -158,7 +171,7 @@ class WorkerGroup:
                 backend, store=self.store, rank=rank, world_size=world_size, timeout=self._timeout))
             self._main_group = dist.group.WORLD
             _log.info("worker %d of %d: process group on backend %s, rendezvous at %s:%d, timeout %ss",
-                      rank, world_size, backend, host, port, options.timeout)
+                      rank, world_size, backend, host, self.port, options.timeout)
             # Gradients travel on their own group so they never interleave with other collectives.
             self.gradient_group = self._start_up_step(
                 "start-up: the gradient group", lambda: dist.new_group(backend=backend, timeout=self._timeout))
@@ -179,6 +192,7 @@ class WorkerGroup:
             self.port = 0  # a free port: the existing group's store may hold the cluster's port
             self.store = self._connect_store(hosts_store=True)
         self.host, self.port = self._adoption_step("the address of the chief's store", self._share_store_address)
+        _remember_store(self.host, self.port)
         if not chief:
             self.store = self._connect_store(hosts_store=False)
         self._meet(self.store, hosts_store=chief)
@@ -391,11 +405,13 @@ class WorkerGroup:
             return
         # sys.last_value is set when the program died of an exception.
         failed = self._failed or getattr(sys, "last_value", None) is not None
+        if failed:
+            _record_failure(getattr(sys, "last_value", None))
         self._stop_heartbeat()
         client = self._heartbeat_client
         if client is not None:
             # A stopped chief never answers: the announcement must not hold this exit.
-            how = "failed" if failed else _FINISHED
+            how = _how_it_left(getattr(sys, "last_value", None)) if failed else _FINISHED
             self._in_store_thread(lambda: _ignore_errors(client.set, f"{_LEFT_PREFIX}{self.rank}", how))
         self._join_store_threads()
         if not failed:
@@ -405,9 +421,40 @@ class WorkerGroup:
         # its teardown can abort the process (SIGABRT instead of the exception's status 1).
         # Bounded: a peer stuck in a collective must not hold this exit.
         try:
+            if self._hosts_store_for_others():
+                self._within(self._release_groups, 2 * self._store_deadline + 2.0)
+                self._keep_store_until_others_left()
             self._within(self.close, 2 * self._store_deadline + 2.0)
         except Exception:  # noqa: BLE001 - exiting anyway; the error was reported already
             pass
+
+    def _hosts_store_for_others(self) -> bool:
+        """Whether this process serves the store the other workers read (the chief, unless
+        torchrun's agent serves it)."""
+        return (self.rank == 0 and self.world_size > 1 and self.store is not None
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True")
+
+    def _keep_store_until_others_left(self) -> None:
+        """The chief failed, and its store (who left, and why) would end with it: the others
+        would then only learn that the chief is gone, and name it instead of the worker that
+        failed first. Keep serving until every other worker has left or stopped beating (a
+        few heartbeat intervals at most); its process groups are closed already, so the others'
+        collectives fail at once."""
+        store = self.store
+        deadline = time.monotonic() + 3 * self._heartbeat_interval + 2 * self._store_deadline
+        while time.monotonic() < deadline:
+            try:
+                now = time.time()
+                waiting = [
+                    rank for rank in range(1, self.world_size)
+                    if not store.check([f"{_LEFT_PREFIX}{rank}"]) and store.check([f"{_HEARTBEAT_PREFIX}{rank}"])
+                    and now - float(store.get(f"{_HEARTBEAT_PREFIX}{rank}")) <= 2 * self._heartbeat_interval
+                ]
+            except Exception:  # noqa: BLE001 - the store is gone: nothing to keep
+                return
+            if not waiting:
+                return
+            time.sleep(0.1)
 
     def missing_workers(self) -> MissingWorkers | None:
         """Who exited and whose heartbeat stopped; None if the store (the chief) does not answer.
@@ -441,7 +488,8 @@ class WorkerGroup:
                             silent.append(rank)
                     if left or silent or time.time() > deadline:
                         finished = [r for r, how in left.items() if how == _FINISHED]
-                        answer.append(MissingWorkers(sorted(left), silent, finished))
+                        raised = {r: how[len(_RAISED):] for r, how in left.items() if how.startswith(_RAISED)}
+                        answer.append(MissingWorkers(sorted(left), silent, finished, raised))
                         return
                     time.sleep(self._heartbeat_interval / 2)
             except Exception:  # noqa: BLE001 - no answer: the chief is unreachable
@@ -454,6 +502,13 @@ class WorkerGroup:
         return answer[0] if answer else None
 
     def describe_failure(
+        self, what: str, error: BaseException | None, missing: Any = "probe"
+    ) -> WorkerUnavailableError | ReplicaMismatchError:
+        failure = self._diagnose(what, error, missing)
+        _record_failure(failure)  # ... the first moment this worker knows it failed
+        return failure
+
+    def _diagnose(
         self, what: str, error: BaseException | None, missing: Any = "probe"
     ) -> WorkerUnavailableError | ReplicaMismatchError:
         """The error naming who is missing; ``missing``: a ``missing_workers()`` answer the
@@ -477,6 +532,8 @@ class WorkerGroup:
                 "workers only, or more steps of data on one worker); restarting will not help. Run "
                 "the same collectives on every worker." + detail
             )
+        if missing is not None and missing.raised and not missing.silent:
+            return self._peer_program_error(what, missing.raised, detail)
         closed = error is not None and _CONNECTION_CLOSED.search(str(error)) is not None
         if missing is None and closed and not self._store_reachable():
             # Its connections closed and its store refuses new ones: the process is gone (a
@@ -486,9 +543,13 @@ class WorkerGroup:
         elif missing is None:
             who = f"worker 0 (the chief, which hosts the rendezvous store at {self.host}:{self.port}) is unreachable"
         else:
+            # The workers that are the cause first: one that exited after losing a partner
+            # (its announcement says "failed") is named after the worker it lost.
             parts = []
-            if missing.exited:
-                parts.append("worker(s) " + ", ".join(map(str, missing.exited)) + " exited")
+            lost_a_partner = [r for r in missing.exited if r not in missing.raised and r not in missing.finished]
+            causes = [r for r in missing.exited if r not in lost_a_partner] if missing.silent else missing.exited
+            if causes:
+                parts.append("worker(s) " + ", ".join(map(str, causes)) + " exited")
             if missing.silent and closed:
                 # Its connections were closed under it: the process is gone (a stopped one keeps
                 # them open), yet it never said it was leaving.
@@ -497,6 +558,9 @@ class WorkerGroup:
                              "in native code)")
             elif missing.silent:
                 parts.append("worker(s) " + ", ".join(map(str, missing.silent)) + " stopped answering")
+            if missing.silent and lost_a_partner:
+                parts.append("then worker(s) " + ", ".join(map(str, lost_a_partner)) + " exited, having "
+                             "lost it as a partner")
             if not parts:
                 return WorkerUnavailableError(
                     f"{what} failed on worker {self.rank} of {self.world_size}{detail}, yet every worker "
@@ -511,6 +575,16 @@ class WorkerGroup:
             f"Collectives wait at most {self.options.timeout:.0f} s "
             "(CommunicationOptions(timeout_seconds=...)). Restart the job; training resumes from "
             "the last checkpoint (td.BackupAndRestore)."
+        )
+
+    def _peer_program_error(self, what: str, raised: dict[int, str], detail: str) -> PeerProgramError:
+        listing = "; ".join(f"worker {rank}: {text}" for rank, text in sorted(raised.items()))
+        return PeerProgramError(
+            f"{what} failed on worker {self.rank} of {self.world_size}: worker(s) "
+            f"{', '.join(map(str, sorted(raised)))} raised an exception in the program and exited "
+            f"({listing}). That is an error in the program (its traceback is in that worker's output), "
+            "not a lost worker: restarting the job runs into it again. Fix it." + detail,
+            raised,
         )
 
     # -- agreement ----------------------------------------------------------------------------
@@ -694,12 +768,7 @@ class WorkerGroup:
             return tensor.cpu()
         return tensor
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop_heartbeat()
-        atexit.unregister(self._at_exit)
+    def _release_groups(self) -> None:
         # No reference of ours may keep a process group alive past destroy_process_group: its
         # connections must close now (peers learn at once that this worker left) and its C++
         # threads must not outlive the interpreter's teardown.
@@ -710,6 +779,14 @@ class WorkerGroup:
         elif dist.is_initialized():
             dist.destroy_process_group()
         del own_groups
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_heartbeat()
+        atexit.unregister(self._at_exit)
+        self._release_groups()
         # Let the stores' C++ objects (the chief's server thread, the heartbeat client) be
         # destroyed now, while the interpreter is whole, not during its teardown.
         self._heartbeat_client = None
@@ -722,35 +799,87 @@ class WorkerGroup:
 # (pybind11 meets pthread_exit: "terminate called without an active exception", SIGABRT),
 # whatever the program's status was. _end_before_teardown, registered when this module is
 # imported and so run after every atexit handler registered later (WorkerGroup._at_exit among
-# them), ends the process itself instead.
+# them), wakes those calls (store_sockets.py) or, failing that, ends the process itself.
 _STORE_THREADS: list[threading.Thread] = []
+# (the store's addresses, its port) of every group made in this process: whom the calls wait on.
+_STORES: list[tuple[list[str], int]] = []
+
+
+def _remember_store(host: str, port: int) -> None:
+    _STORES.append((store_sockets.addresses_of(host), port))
+
+
+def _wake_blocked_store_calls(seconds: float) -> bool:
+    """Shut down this process's connections to the stores until every store thread has ended
+    (a client retrying reconnects, and is shut down again); whether they all did."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [thread for thread in _STORE_THREADS if thread.is_alive()]
+        if not alive:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        for addresses, port in _STORES:
+            store_sockets.shut_down_connections_to(addresses, port)
+        for thread in alive:
+            thread.join(0.05)
 
 
 def _end_before_teardown() -> None:
-    """If a store call is still blocked (the chief is stopped or cut off), end the process now
-    with the status it was about to have: 1 after an uncaught exception, 0 otherwise (a
-    ``sys.exit(n)`` status cannot be seen here and becomes 0), stdout and stderr flushed."""
+    """If a store call is still blocked (the chief is stopped or cut off), wake it: the process
+    then exits with the status its program asked for (``sys.exit(n)``, 1 after an uncaught
+    exception). Where that fails (no ``/proc``), end the process now, stdout and stderr
+    flushed, with 1 after an uncaught exception and otherwise 0 (a ``sys.exit(n)`` status
+    cannot be seen from here)."""
     deadline = time.monotonic() + 1.0
     for thread in _STORE_THREADS:
         thread.join(max(0.0, deadline - time.monotonic()))
     if not any(thread.is_alive() for thread in _STORE_THREADS):
         return
+    _note("a call to worker 0's store is still blocked (worker 0 is stopped or unreachable); "
+          "closing this process's connections to it before exiting (torch may log "
+          "'recvValue failed' for them)")
+    if _wake_blocked_store_calls(5.0):
+        return
     status = 1 if getattr(sys, "last_value", None) is not None else 0
     try:
-        sys.stderr.write(
-            "torch-distribute: a call to worker 0's store is still blocked (worker 0 is stopped or "
-            f"unreachable); ending this process now with status {status}, before the interpreter's "
-            "teardown, which would abort when that call returns.\n")
+        _note(f"the call is still blocked; ending this process now with status {status}, before "
+              "the interpreter's teardown, which would abort when that call returns")
         sys.stdout.flush()
-        sys.stderr.flush()
     finally:
         os._exit(status)
+
+
+def _note(message: str) -> None:
+    try:
+        sys.stderr.write(f"torch-distribute: {message}.\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 atexit.register(_end_before_teardown)
 
 # How Gloo (and the c10d store) say a peer's socket was closed: the peer process is gone.
 _CONNECTION_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe|ECONNRESET")
+
+
+def _how_it_left(error: BaseException | None) -> str:
+    """What a failed worker announces under ``_LEFT_PREFIX``: its program's own error, where
+    it was raised (``_RAISED``), or ``failed`` (it lost a partner, or a collective failed)."""
+    if error is None or isinstance(error, (WorkerUnavailableError, ReplicaMismatchError)):
+        return "failed"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = f"{type(error).__name__}: {error}"
+    return _RAISED + (text if len(text) <= 400 else text[:397] + "...") + where
+
+
+def _record_failure(error: BaseException | None) -> None:
+    """Write this worker's failure for the launcher (``failure_record.py``): its own, unless
+    it is the loss of another worker (``WorkerUnavailableError``) or the program exited on
+    its own after one was reported (``error`` None)."""
+    failure_record.write(error, consequence=error is None or isinstance(error, WorkerUnavailableError))
 
 
 def _ignore_errors(call: Callable[..., Any], *args: Any) -> None:

@@ -51,7 +51,7 @@ from torch_distribute.input.batching import (
     to_device,
     to_tensors,
 )
-from torch_distribute.input.dataset_options import resolve_shard_policy, unwrapped
+from torch_distribute.input.dataset_options import options_of, resolve_shard_policy, unwrapped
 from torch_distribute.input.element_spec import PeekableSource, batch_spec
 from torch_distribute.input.input_context import (
     AutoShardPolicy,
@@ -61,6 +61,7 @@ from torch_distribute.input.input_context import (
 )
 from torch_distribute.input.optional import Optional
 from torch_distribute.input.prefetch import DeviceFeeder, StepBuffer, default_buffer_size
+from torch_distribute.input.sharding_sampler import refuse_sharding_sampler
 from torch_distribute.values import regroup
 
 _NO_DATA_AT_ALL = (
@@ -226,6 +227,8 @@ class DistributedDataset(_DistributedIterable):
             )
         self._num_workers = num_workers
         self._worker_index = worker_index
+        requested = self._options.auto_shard_policy or options_of(dataset).experimental_distribute.auto_shard_policy
+        refuse_sharding_sampler(inner, requested, num_workers, worker_index)
         # The call's policy first, then the dataset's own (td.data.with_options), then AUTO.
         self._policy = resolve_shard_policy(dataset, self._options.auto_shard_policy, num_workers)
         if self._policy is AutoShardPolicy.FILE:

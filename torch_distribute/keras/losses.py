@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.keras.probability_check import ProbabilityCheck
 
 __all__ = [
     "BinaryCrossentropy",
@@ -42,6 +43,7 @@ __all__ = [
     "MeanSquaredError",
     "MeanSquaredLogarithmicError",
     "Poisson",
+    "ProbabilityLoss",
     "SparseCategoricalCrossentropy",
     "TorchLoss",
     "align_ranks",
@@ -245,21 +247,40 @@ class Poisson(LossFunctionWrapper):
         super().__init__(poisson, name=name)
 
 
-class BinaryCrossentropy(LossFunctionWrapper):
+class ProbabilityLoss(LossFunctionWrapper):
+    """A cross-entropy whose ``from_logits=False`` form warns once when its first predictions
+    are not probabilities (``probability_check.py``): they are logits, given without
+    ``from_logits=True``."""
+
+    categorical = True  # predictions sum to 1 along the class axis
+
+    def __init__(self, fn: Callable[..., torch.Tensor], name: str, **kwargs: Any):
+        super().__init__(fn, name=name, **kwargs)
+        self.probability_check = ProbabilityCheck(type(self).__name__, name, self.categorical)
+
+    def per_sample(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        if not self.kwargs.get("from_logits"):
+            self.probability_check(y_pred)
+        return super().per_sample(y_true, y_pred)
+
+
+class BinaryCrossentropy(ProbabilityLoss):
     """Binary cross-entropy; ``from_logits=True`` for raw scores (no sigmoid)."""
+
+    categorical = False
 
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "binary_crossentropy"):
         super().__init__(binary_crossentropy, name=name, from_logits=from_logits, label_smoothing=label_smoothing)
 
 
-class CategoricalCrossentropy(LossFunctionWrapper):
+class CategoricalCrossentropy(ProbabilityLoss):
     """Cross-entropy with one-hot targets; ``from_logits=True`` for raw scores."""
 
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, name: str = "categorical_crossentropy"):
         super().__init__(categorical_crossentropy, name=name, from_logits=from_logits, label_smoothing=label_smoothing)
 
 
-class SparseCategoricalCrossentropy(LossFunctionWrapper):
+class SparseCategoricalCrossentropy(ProbabilityLoss):
     """Cross-entropy with integer class ids; ``from_logits=True`` for raw scores.
 
     >>> import torch, torch_distribute as td
