@@ -427,11 +427,14 @@ class Model(nn.Module):
         (the last rows, before shuffling). ``verbose``: ``"auto"`` (1 on the chief), 0, 1, 2.
         A ``td.keras.utils.experimental.DatasetCreator`` needs ``steps_per_epoch``.
 
-        Under ``ParameterServerStrategy`` (as in TensorFlow) ``x`` is a ``DatasetCreator`` or a
-        dataset function, ``steps_per_epoch`` is required, and the steps run on the workers:
+        Under ``ParameterServerStrategy`` (as in TensorFlow) ``x`` is a dataset sent to every
+        worker by value and read there (a ``DataLoader``, an iterable dataset, or a map-style
+        ``Dataset`` batched by ``batch_size``; read again from its start when it ends, as
+        ``tf.data``'s ``repeat()``), a ``DatasetCreator`` or a dataset function;
+        ``steps_per_epoch`` is required, and the steps run on the workers:
         each scheduled function runs ``steps_per_execution`` of them; the callbacks, the
         progress bar (``"auto"`` is 2 there) and the ``History`` run on the coordinator
-        (``validation_data``: a ``DatasetCreator`` with ``validation_steps``).
+        (``validation_data``: the same kinds, with ``validation_steps``).
         """
         self._assert_compiled("fit")
         strategy = self._resolve_strategy()
@@ -468,8 +471,8 @@ class Model(nn.Module):
     ) -> float | list[float] | dict[str, float]:
         """The loss (and metrics) on the data: a float, ``[loss, *metrics]``, or a dict.
 
-        Under ``ParameterServerStrategy`` ``x`` is a ``DatasetCreator`` or a dataset function
-        and ``steps`` is required: the test steps run on the workers and the result is the
+        Under ``ParameterServerStrategy`` ``x`` is a dataset (as in ``fit``), a
+        ``DatasetCreator`` or a dataset function and ``steps`` is required: the test steps run on the workers and the result is the
         metrics' global values.
 
         >>> import torch, torch_distribute as td
