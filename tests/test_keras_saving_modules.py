@@ -280,3 +280,18 @@ def test_model_checkpoint_writes_the_whole_model(tmp_path):
     torch.testing.assert_close(restored.predict(x, verbose=0), model.predict(x, verbose=0), rtol=0, atol=0)
     with pytest.raises(td.CheckpointError, match="load_weights"):
         td.keras.models.load_model(tmp_path / "weights-1.pt")
+
+
+def test_get_and_set_weights_in_keras_order_under_mirrored():
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = td.keras.Model(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    weights = model.get_weights()
+    assert [w.shape for w in weights] == [(2, 3), (2,), (2,), (2,), (2,), (2,), ()]  # kernel, bias, BN's, counter
+    model.set_weights([w + 1 for w in weights])
+    for replica_value in strategy.experimental_local_results(model.module[0].weight):
+        torch.testing.assert_close(replica_value, torch.as_tensor(weights[0]) + 1)
+    with pytest.raises(td.InvalidArgumentError, match="expects 7 arrays"):
+        model.set_weights(weights[:2])
+    with pytest.raises(td.InvalidArgumentError, match=r"0.weight has shape \(2, 3\), got an array of shape \(3, 2\)"):
+        model.set_weights([weights[0].T, *weights[1:]])

@@ -547,7 +547,7 @@ class Model(nn.Module):
         for names in self._weight_names():
             tensor = state[names[0]]
             full = getattr(tensor, "full_tensor", None)
-            arrays.append((full() if callable(full) else tensor).detach().cpu().numpy())
+            arrays.append((full() if callable(full) else tensor).detach().cpu().numpy().copy())  # not a view
         return arrays
 
     def set_weights(self, weights: Sequence[Any]) -> None:

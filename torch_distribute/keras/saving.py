@@ -142,7 +142,7 @@ def encode(value: Any, what: str) -> Any:
         isinstance(value, losses_module.LossFunctionWrapper) and type(value).__module__ == losses_module.__name__
     ):
         return _tagged("loss_function", fn=import_path(value.fn, what), name=value.name,
-                       kwargs=encode(value.kwargs, what))
+                       kwargs=encode(value.kwargs, what), reduction=value.reduction)
     raise InvalidArgumentError(
         f"Cannot save {what}: a {type(value).__name__} object has no get_config(), so the saved model "
         "could not rebuild it. Pass it by name ('mse', 'accuracy'), as a function defined at the top "
@@ -195,8 +195,9 @@ def decode(value: Any, resolver: Resolver = _UNSAFE) -> Any:
         return optimizers_module.OptimizerSpec(resolver(value["cls"]), value["learning_rate"], value["name"],
                                                **decode(value["kwargs"], resolver))
     if kind == "loss_function":
-        return losses_module.LossFunctionWrapper(resolver(value["fn"]), name=value["name"],
-                                                 **decode(value["kwargs"], resolver))
+        return losses_module.LossFunctionWrapper(
+            resolver(value["fn"]), name=value["name"], reduction=value.get("reduction", "sum_over_batch_size"),
+            **decode(value["kwargs"], resolver))
     if kind == "construct":
         return _class(resolver, value["cls"])(*decode(value["args"], resolver), **decode(value["kwargs"], resolver))
     if kind == module_records.KIND:
