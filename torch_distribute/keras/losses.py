@@ -60,7 +60,7 @@ def align_ranks(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tenso
     y_true = torch.as_tensor(y_true, device=y_pred.device)
     if y_true.dim() == y_pred.dim() + 1 and y_true.shape[-1] == 1:
         y_true = y_true.squeeze(-1)
-    elif y_pred.dim() == y_true.dim() + 1 and y_pred.shape[-1] == 1:
+    elif y_pred.dim() == y_true.dim() + 1:  # Keras: (B,) targets of (B, k) predictions broadcast
         y_true = y_true.unsqueeze(-1)
     return y_true.to(y_pred.dtype), y_pred
 

@@ -81,8 +81,10 @@ class _Encoder:
         where = f"{self.what} ({path or 'the root module'}, a {cls.__qualname__})"
         sharded = cls is not type(module)
         state = module.__getstate__()
-        hooks = [name for name, value in state.items() if _is_hook_entry(name) and value]
-        if hooks and not sharded:  # fully_shard's own hooks are made again when the model is sharded again
+        # A strategy's own hooks (and fully_shard's) are made again when the model is captured again.
+        hooks = [name for name, value in state.items() if _is_hook_entry(name) and isinstance(value, dict)
+                 and any(not _installed_by_a_strategy(hook) for hook in value.values())]
+        if hooks and not sharded:
             raise InvalidArgumentError(
                 f"Cannot save {where}: it has hooks ({', '.join(hooks)}), which a saved model does not keep. "
                 "Remove them before saving (handle.remove()) and register them again after loading, or give "
@@ -137,6 +139,14 @@ class _Encoder:
         if isinstance(value, torch.device):
             return {_TAG: "device", "name": str(value)}
         return self.encode(value, what)
+
+
+def _installed_by_a_strategy(hook: Any) -> bool:
+    """Whether ``hook`` is torch-distribute's or torch.distributed's (not the user's)."""
+    hook = getattr(hook, "func", hook)  # functools.partial
+    hook = getattr(hook, "__func__", hook)  # a bound method
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    return module.startswith(("torch_distribute.", "torch.distributed."))
 
 
 def _empty_hooks() -> dict[str, Any]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from torch_distribute import metrics as td_metrics
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.keras import losses as losses_module
 from torch_distribute.keras import module_records
@@ -105,6 +106,12 @@ def _module_class(value: Any) -> type:
     return module_records.module_class(value) if isinstance(value, torch.nn.Module) else type(value)
 
 
+def _takes_only_a_name(cls: type) -> bool:
+    """Whether ``cls(name=...)`` rebuilds an instance (a metric with no other argument)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return set(parameters) - {"self"} <= {"name", "dtype"} and "name" in parameters
+
+
 def _tagged(kind: str, **fields: Any) -> dict[str, Any]:
     return {_TAG: kind, **fields}
 
@@ -129,6 +136,8 @@ def encode(value: Any, what: str) -> Any:
         if isinstance(value, torch.dtype):
             return _tagged("dtype", name=str(value).removeprefix("torch."))
         return _tagged("ref", path=import_path(value, what))
+    if isinstance(value, td_metrics.Metric) and _takes_only_a_name(type(value)):
+        return _tagged("object", cls=import_path(type(value), what), config={"name": value.name})
     if callable(getattr(value, "get_config", None)):
         return _tagged("object", cls=import_path(_module_class(value), what), config=encode(value.get_config(), what))
     if isinstance(value, torch.nn.Module):
