@@ -43,10 +43,10 @@ def load_model(filepath: str | os.PathLike[str], custom_objects: Mapping[str, An
     naming it, before anything is built. ``safe_mode=False`` imports whatever the file names
     (load only files you trust).
 
-    >>> import torch, torch_distribute as td
+    >>> import os, tempfile, torch, torch_distribute as td
     >>> model = td.keras.Model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
     >>> model.compile(optimizer="adam", loss="mse")
-    >>> path = model.save("/tmp/td-doctest-sequential.pt")
+    >>> path = model.save(os.path.join(tempfile.mkdtemp(), "sequential.pt"))
     >>> with td.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
     ...     restored = td.keras.models.load_model(path)
     >>> type(restored.module).__name__, restored.compiled
