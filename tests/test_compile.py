@@ -131,3 +131,37 @@ def test_td_function_options():
         td.function(lambda x: x, fullgraph="yes")
     with pytest.raises(td.InvalidArgumentError, match="decorates a callable"):
         td.function(3)
+
+
+def test_td_function_input_signature_marks_none_dimensions_dynamic():
+    """TensorFlow's input_signature: every batch size runs the one graph; a tensor that does not
+    match the signature is refused."""
+    torch._dynamo.reset()
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = nn.Linear(4, 1)
+    signature = [td.TensorSpec((None, 4), torch.float32)]
+
+    @td.function(input_signature=signature)
+    def predict(x):
+        return torch.relu(model(x)).sum()
+
+    def replica_predict(rows):
+        return model(rows).sum()
+
+    @td.function(input_signature=signature)
+    def distributed_predict(x):
+        return strategy.reduce("sum", strategy.run(replica_predict, args=(x,)), axis=None)
+
+    for rows in (8, 5, 3):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(predict(x), torch.relu(model(x)).sum())
+    assert predict.experimental_get_tracing_count() == 1
+    batches = [torch.randn(rows, 4) for rows in (8, 6, 4)]
+    for x, batch in zip(strategy.experimental_distribute_dataset(batches), batches, strict=True):
+        torch.testing.assert_close(distributed_predict(x), model(batch).sum(), rtol=1e-5, atol=1e-5)
+    assert distributed_predict.experimental_get_tracing_count() == strategy.num_replicas_in_sync
+    with pytest.raises(td.InvalidArgumentError, match=r"argument 0 does not match its input_signature.*shape \(3, 5\)"):
+        predict(torch.randn(3, 5))
+    with pytest.raises(td.InvalidArgumentError, match="input_signature must be a list of td.TensorSpec"):
+        td.function(lambda x: x, input_signature=[(None, 4)])

@@ -109,3 +109,48 @@ def test_bad_arguments():
         td.BackupAndRestore(td.Checkpoint(), "/tmp/x", save_freq=0)
     with pytest.raises(td.InvalidArgumentError, match="td.Checkpoint"):
         td.BackupAndRestore(torch.nn.Linear(1, 1), "/tmp/x")
+
+
+def test_preemption_checkpoint_handler_saves_on_sigterm_and_resumes(tmp_path):
+    """TensorFlow's PreemptionCheckpointHandler: a SIGTERM saves at the step and calls exit_fn;
+    a new handler restores the weights and total_run_calls."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    exits = []
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = td.experimental.TerminationConfig(exit_fn=lambda: exits.append(True))
+        handler = td.experimental.PreemptionCheckpointHandler(
+            None, td.Checkpoint(model=model, optimizer=optimizer), os.fspath(tmp_path), termination_config=config)
+
+        def train_step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        with handler.watch_preemption_scope():
+            for step in range(5):
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                handler.run(train_step, torch.ones(4, 2))
+                if exits:
+                    break
+        assert exits == [True] and handler.total_run_calls == 4
+        saved = [p.detach().clone() for p in model.parameters()]
+        restored_model = torch.nn.Linear(2, 1)
+        restored = td.experimental.PreemptionCheckpointHandler(
+            None, td.Checkpoint(model=restored_model, optimizer=torch.optim.SGD(restored_model.parameters(), lr=0.1)),
+            os.fspath(tmp_path))
+        assert restored.total_run_calls == 4
+        for got, want in zip(restored_model.parameters(), saved, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with pytest.raises(td.InvalidArgumentError, match="grace_period=...\\) is not supported"):
+            td.experimental.TerminationConfig(grace_period=5)
+        with pytest.raises(td.InvalidArgumentError, match="needs checkpoint_dir"):
+            td.experimental.PreemptionCheckpointHandler(None, td.Checkpoint(model=model))
+    finally:
+        signal.signal(signal.SIGTERM, previous)

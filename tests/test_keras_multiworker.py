@@ -1,4 +1,5 @@
-"""td.keras fit under MultiWorkerMirroredStrategy: 2 worker processes give one process's numbers.
+"""td.keras fit under MultiWorkerMirroredStrategy: 2 worker processes give one process's numbers,
+and so does the whole model ``ModelCheckpoint`` wrote, loaded in the scope and trained on.
 
 This file is also the worker script: ``python -m torch_distribute.launch --nproc 2
 tests/test_keras_multiworker.py --out DIR`` runs ``worker()`` in each process.
@@ -30,7 +31,7 @@ def _data():
     return x, torch.randint(0, 3, (45,), generator=g)
 
 
-def _fit(strategy, seed: int, out_dir: str | None) -> dict:
+def _fit(strategy, seed: int, out_dir: str | None, scratch: str | None = None) -> dict:
     torch.manual_seed(seed)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
@@ -44,7 +45,13 @@ def _fit(strategy, seed: int, out_dir: str | None) -> dict:
                      td.keras.callbacks.ModelCheckpoint(os.path.join(out_dir, "ckpt-{epoch}.pt"))]
     history = model.fit(x, y, batch_size=8, epochs=3, validation_data=(x[:19], y[:19]), callbacks=callbacks,
                         verbose="auto" if out_dir else 0)
+    # The whole model ModelCheckpoint wrote, loaded in the scope (a plain model in one process), trains on.
+    path = os.path.join(out_dir, "ckpt-3.pt") if out_dir else model.save(os.path.join(scratch, "whole.pt"))
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        restored = td.keras.models.load_model(path)
+    restored.fit(x, y, batch_size=8, epochs=1, verbose=0)
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+            "restored": torch.cat([p.detach().reshape(-1) for p in restored.parameters()]).tolist(),
             "history": history.history,
             "evaluate": model.evaluate(x, y, batch_size=7, verbose=0),
             "predict": model.predict(x[:11], batch_size=4, verbose=0).tolist()}
@@ -89,17 +96,18 @@ def test_fit_on_two_workers_by_two_replicas_equals_one_process(tmp_path):
             data = json.loads(payload[len(RESULT):])
             results[data["rank"]] = data
     assert sorted(results) == [0, 1], text[-4000:]
-    reference = _fit(None, seed=100, out_dir=None)  # the chief's seed: its initial values win
+    reference = _fit(None, seed=100, out_dir=None, scratch=str(tmp_path))  # the chief's seed: its initial values win
     for rank in (0, 1):
         got = results[rank]
         torch.testing.assert_close(torch.tensor(got["params"]), torch.tensor(reference["params"]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(got["restored"]), torch.tensor(reference["restored"]), rtol=1e-5, atol=1e-5)
         for key, values in reference["history"].items():
             torch.testing.assert_close(torch.tensor(got["history"][key]), torch.tensor(values), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(got["evaluate"]), torch.tensor(reference["evaluate"]), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(got["predict"]), torch.tensor(reference["predict"]), rtol=1e-5, atol=1e-5)
     # Only the chief prints the progress bar and writes files.
     assert "[rank 0] Epoch 1/3" in text and "[rank 1] Epoch" not in text
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "launch.log") == [
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in ("launch.log", "whole.pt")) == [
         "ckpt-1.pt", "ckpt-2.pt", "ckpt-3.pt", "log.csv"]
     assert len((tmp_path / "log.csv").read_text().splitlines()) == 4
 

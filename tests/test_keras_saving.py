@@ -20,8 +20,10 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:`torc
 N, BATCH = 48, 8
 
 
+@td.keras.saving.register_serializable(package="tests")
 class Classifier(td.keras.Model):
-    """Importable (this test module is on sys.path): rebuilt from its recorded arguments."""
+    """Importable (this test module is on sys.path): rebuilt from its recorded arguments
+    (registered: load_model's safe_mode allows it)."""
 
     def __init__(self, features: int, classes: int, hidden: int = 16):
         super().__init__()
@@ -138,7 +140,8 @@ def test_wrapped_module_with_get_config_and_compile_arguments_round_trip(tmp_pat
     x = torch.randn(16, 4)
     model.fit(x, torch.zeros(16, 3), batch_size=4, verbose=0)
     model.optimizer.learning_rate = 0.05
-    restored = td.keras.models.load_model(model.save(tmp_path / "block.pt"))
+    restored = td.keras.models.load_model(model.save(tmp_path / "block.pt"),
+                                          custom_objects={"ConfiguredBlock": ConfiguredBlock, "scaled_mse": scaled_mse})
     assert isinstance(restored.module, ConfiguredBlock) and restored.module.width == 3
     assert restored.name == "block" and restored.steps_per_execution == 2
     assert restored.metrics_names == ["loss", "mae"]
@@ -162,8 +165,10 @@ def test_include_optimizer_false_and_compile_false_load_uncompiled(tmp_path):
 def test_save_refuses_what_load_model_could_not_rebuild(tmp_path):
     local = type("Local", (td.keras.Model,), {"forward": lambda self, x: x})
     local.__qualname__ = "make.<locals>.Local"
+    hooked = torch.nn.Linear(4, 3)
+    hooked.register_forward_hook(lambda module, args, output: output)
     cases = [
-        (td.keras.Model(torch.nn.Linear(4, 3)), "Linear module records no constructor arguments"),
+        (td.keras.Model(hooked), r"\(the root module, a Linear\).*hooks \(_forward_hooks\)"),
         (local(torch.nn.Linear(4, 3)), "defined inside a function"),
     ]
     lambda_loss = _compiled(None)
@@ -251,17 +256,42 @@ def test_model_unpickled_in_scope_is_mirrored_and_trains_like_one_device():
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
-def test_plain_and_torchscript_modules_loaded_in_scope_say_what_to_do(tmp_path):
-    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3)), os.fspath(tmp_path / "linear.jit"))
+def test_modules_loaded_whole_are_adopted_in_scope_and_fine_tune_like_one_device(tmp_path):
+    """torch.load of a whole module, or load_model outside the scope, then td.keras.Model(...) in
+    the scope: the strategy takes the module over; Mirrored (2 replicas) trains as one device."""
+    torch.manual_seed(0)
     buffer = io.BytesIO()
-    torch.save(torch.nn.Linear(4, 3), buffer)
+    torch.save(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)), buffer)
+    saved = td.keras.Model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)))
+    path = saved.save(tmp_path / "seq.pt")
+    loads = {"torch.load": lambda: (buffer.seek(0), torch.load(buffer, weights_only=False))[1],
+             "load_model": lambda: td.keras.models.load_model(path).module}
+    for name, load in loads.items():
+        results = []
+        for strategy in (td.OneDeviceStrategy("cpu"), _mirrored()):
+            loaded = load()  # outside the scope: a plain module
+            with strategy.scope():
+                model = td.keras.Model(loaded)
+            assert model.distribute_strategy is strategy and owner_of(model.module[0].weight) is strategy, name
+            assert len(strategy.experimental_local_results(model.module[2].bias)) == strategy.num_replicas_in_sync
+            model.compile(optimizer=td.keras.optimizers.Adam(learning_rate=0.02),
+                          loss=td.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            _fit(model, 2)
+            results.append(_params(model))
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+def test_torchscript_and_exported_modules_say_what_to_do(tmp_path):
+    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3)), os.fspath(tmp_path / "linear.jit"))
     strategy = _mirrored()
-    for load in (lambda: torch.jit.load(os.fspath(tmp_path / "linear.jit")),
-                 lambda: (buffer.seek(0), torch.load(buffer, weights_only=False))[1]):
-        with strategy.scope():
-            model = td.keras.Model(load())
-        with pytest.raises(td.UnmirroredStateError, match=r"torch\.jit\.load.*load_state_dict"):
-            model.compile("sgd", "mse")
+    with strategy.scope():
+        model = td.keras.Model(torch.jit.load(os.fspath(tmp_path / "linear.jit")))
+    with pytest.raises(td.UnmirroredStateError, match=r"TorchScript.*load_state_dict"):
+        model.compile("sgd", "mse")
+    program = torch.export.export(torch.nn.Linear(4, 3), (torch.ones(2, 4),))
+    for exported in (program, program.module()):
+        with strategy.scope(), pytest.raises(td.InvalidArgumentError, match=r"does not support train\(\).*load_state_dict"):
+            td.keras.Model(exported)
 
 
 # -- serving -------------------------------------------------------------------------------------

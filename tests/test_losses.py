@@ -219,3 +219,20 @@ def test_sample_weight_column_vector():
     loss = td.compute_average_loss(per_example.unsqueeze(1), sample_weight=weight.squeeze(1),
                                    global_batch_size=3)
     torch.testing.assert_close(loss, torch.tensor(1.0 / 3))
+
+
+def test_keras_losses_take_reduction():
+    y_true, y_pred = torch.tensor([0, 1]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    per_row = td.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(y_true, y_pred)
+    assert per_row.shape == (2,)
+    for reduction, want in (("sum_over_batch_size", per_row.mean()), ("auto", per_row.mean()), ("sum", per_row.sum()),
+                            (td.keras.losses.Reduction.NONE, per_row), (None, per_row)):
+        loss = td.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        torch.testing.assert_close(loss(y_true, y_pred), want)
+    weighted = td.keras.losses.MeanSquaredError(reduction="sum")(torch.zeros(2, 1), torch.ones(2, 1), sample_weight=[1.0, 3.0])
+    assert float(weighted) == 4.0
+    with pytest.raises(td.InvalidArgumentError, match="reduction must be 'sum_over_batch_size'"):
+        td.keras.losses.Huber(reduction="mean")
+    model = td.keras.Model(torch.nn.Linear(2, 1))
+    with pytest.raises(td.InvalidArgumentError, match="fit averages every loss over the global batch"):
+        model.compile("sgd", td.keras.losses.MeanSquaredError(reduction="sum"))

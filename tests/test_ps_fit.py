@@ -81,6 +81,21 @@ def test_what_is_refused_says_what_to_do(result):
     assert "needs validation_steps=" in errors["no_validation_steps"]
 
 
+@pytest.mark.timeout(120)
+def test_fit_and_evaluate_on_a_dataloader_and_a_dataset_read_on_the_workers(result):
+    history = result["loader_history"]
+    assert history["loss"][2] < history["loss"][1] < history["loss"][0]
+    assert history["val_loss"][2] < history["val_loss"][0]
+    assert result["loader_evaluate"]["loss"] < history["loss"][0]
+    # 3 epochs x (2 train functions of 4 steps + 1 validation function) + evaluate's 1 + the schedule.
+    assert result["loader_functions"] == 3 * (2 + 1) + 1 + 1
+    assert result["first_batch"] == 16
+    errors = result["errors"]
+    assert "x cannot be a generator: an iterator is read where it was made" in errors["generator"], errors
+    assert "create_per_worker_dataset cannot take a generator" in errors["per_worker_generator"], errors
+    assert errors["loader_batch_size"].startswith("InvalidArgumentError: batch_size is not supported"), errors
+
+
 def test_dataset_creator_checks_its_arguments():
     with pytest.raises(td.InvalidArgumentError, match="takes a function input_context -> dataset"):
         td.keras.utils.experimental.DatasetCreator([1, 2])
@@ -88,8 +103,19 @@ def test_dataset_creator_checks_its_arguments():
         td.keras.utils.experimental.DatasetCreator(lambda ctx: [], input_options={"x": 1})
     with pytest.raises(td.InvalidArgumentError, match="input_options are not supported"):
         ps_loops.dataset_function(td.keras.utils.experimental.DatasetCreator(lambda ctx: [], td.InputOptions()), "x")
-    with pytest.raises(td.InvalidArgumentError, match="cannot be DataLoader"):
-        ps_loops.dataset_function(torch.utils.data.DataLoader([1, 2]), "x")
+    with pytest.raises(td.InvalidArgumentError, match="x cannot be a generator: an iterator is read where it was made"):
+        ps_loops.dataset_function((row for row in [1, 2]), "x")
+    with pytest.raises(td.InvalidArgumentError, match="cannot be Tensor: pass a DataLoader"):
+        ps_loops.dataset_function(torch.ones(2), "x")
+    # Sent by value, read again from the start when it ends (tf.data's repeat()); a map-style
+    # Dataset is batched by fit's batch_size (and shuffled unless shuffle=False).
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(3.0)), batch_size=2)
+    repeated = ps_loops.dataset_function(loader, "x")
+    assert [b[0].tolist() for b, _ in zip(repeated, range(4), strict=False)] == [[0.0, 1.0], [2.0]] * 2
+    options = {"batch_size": 2, "shuffle": False, "sample_weight": None}
+    batches = ps_loops.dataset_function(torch.utils.data.TensorDataset(torch.arange(3.0)), "x", options, shuffle_option="shuffle")
+    assert options == {"sample_weight": None}
+    assert [b[0].tolist() for b, _ in zip(batches, range(3), strict=False)] == [[0.0, 1.0], [2.0], [0.0, 1.0]]
 
 
 def test_dataset_creator_outside_parameter_server_training():

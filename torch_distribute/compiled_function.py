@@ -47,12 +47,15 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from torch_distribute import nest
 from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.input.element_spec import TensorSpec
+from torch_distribute.values import DistributedValues
 
 __all__ = ["Function", "function", "for_replicas"]
 
@@ -100,13 +103,17 @@ logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs").addHandler(_Cu
 class Function:
     """A function compiled as ``td.function`` says (see the module docstring).
 
-    ``mode``, ``fullgraph`` and ``dynamic`` are ``torch.compile``'s.
+    ``mode``, ``fullgraph`` and ``dynamic`` are ``torch.compile``'s. ``input_signature``: as
+    TensorFlow's, a list of ``td.TensorSpec`` (or nests of them), one per positional argument:
+    every call is checked against it (``InvalidArgumentError`` for a tensor that does not
+    match), and each ``None`` dimension is marked dynamic before the first compile, so other
+    sizes there (a ragged last batch) compile no new graph.
     ``experimental_get_tracing_count()`` is the number of graphs compiled so far, every
     replica's included (TensorFlow counts traces; a graph break makes two graphs).
     """
 
     def __init__(self, fn: Callable[..., Any], mode: str | None = None, fullgraph: bool = False,
-                 dynamic: bool | None = None):
+                 dynamic: bool | None = None, input_signature: Sequence[Any] | None = None):
         if not callable(fn):
             raise InvalidArgumentError(f"td.function decorates a callable, got {type(fn).__name__}.")
         if mode not in _MODES:
@@ -114,6 +121,13 @@ class Function:
         for name, value in (("fullgraph", fullgraph), ("dynamic", dynamic)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"td.function {name} must be True, False or None, got {value!r}.")
+        if input_signature is not None:
+            specs = nest.leaves(list(input_signature)) if isinstance(input_signature, (list, tuple)) else None
+            if not specs or not all(isinstance(spec, TensorSpec) for spec in specs):
+                raise InvalidArgumentError(
+                    "td.function input_signature must be a list of td.TensorSpec (or nests of them), one per "
+                    f"positional argument, e.g. [td.TensorSpec((None, 4), torch.float32)]; got {input_signature!r}.")
+        self.input_signature = None if input_signature is None else list(input_signature)
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._mode = mode
@@ -128,7 +142,29 @@ class Function:
         )
         self._warned: set[str] = set()
 
+    def _check_signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Check ``args`` against ``input_signature`` and mark its ``None`` dimensions dynamic."""
+        signature = self.input_signature or []
+        if kwargs or len(args) != len(signature):
+            raise InvalidArgumentError(
+                f"td.function({self.__name__}) has an input_signature of {len(signature)} positional arguments; "
+                f"it was called with {len(args)} positional and {len(kwargs)} keyword arguments.")
+        for position, (spec, value) in enumerate(zip(signature, args, strict=True)):
+            for leaf_spec, leaf in zip(nest.leaves(spec), nest.leaves(value), strict=False):
+                for tensor in leaf.values if isinstance(leaf, DistributedValues) else (leaf,):
+                    if not isinstance(tensor, torch.Tensor) or not leaf_spec.is_compatible_with(tensor):
+                        shown = (f"a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
+                                 if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}")
+                        raise InvalidArgumentError(
+                            f"td.function({self.__name__}): argument {position} does not match its input_signature "
+                            f"{leaf_spec}: got {shown}.")
+                    for dim, size in enumerate(leaf_spec.shape):
+                        if size is None:
+                            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_signature is not None:
+            self._check_signature(args, kwargs)
         if self._calls_run is False:
             return self.compiled(self._fn)(*args, **kwargs)
         call = _Call(self)
@@ -147,7 +183,7 @@ class Function:
             if inductor is None:
                 options = {"cpp_wrapper": True} if cpp_wrapper else None
                 inductor = self._inductors[mode, cpp_wrapper] = torch._TorchCompileInductorWrapper(
-                    mode, options, self._dynamic)
+                    mode, options, self._compile_dynamic())
 
         def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with self._lock:
@@ -200,7 +236,7 @@ class Function:
             if attributed is None:
                 attributed = by_key[key] = self._attributed(
                     torch.compile(target, backend=self._backend(*key), fullgraph=self._fullgraph,
-                                  dynamic=self._dynamic))
+                                  dynamic=self._compile_dynamic()))
         return attributed if owner is None else functools.partial(attributed, owner)
 
     def _attributed(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -216,6 +252,14 @@ class Function:
 
         return attributed
 
+    def _compile_dynamic(self) -> bool | None:
+        """``dynamic``; with an ``input_signature`` that has a ``None`` dimension, ``True``: the
+        replicas' inputs are slices of the arguments, which dynamo sees as new tensors."""
+        if self._dynamic is None and self.input_signature is not None and any(
+                size is None for spec in nest.leaves(self.input_signature) for size in spec.shape):
+            return True
+        return self._dynamic
+
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
         return self._graphs
@@ -227,11 +271,11 @@ def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
 
 
 def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, fullgraph: bool = False,
-             dynamic: bool | None = None) -> Any:
-    """``@td.function`` or ``td.function(fn, mode=..., fullgraph=..., dynamic=...)``."""
+             dynamic: bool | None = None, input_signature: Sequence[Any] | None = None) -> Any:
+    """``@td.function`` or ``td.function(fn, mode=..., fullgraph=..., dynamic=..., input_signature=...)``."""
     if fn is None:
-        return lambda f: Function(f, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
-    return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        return lambda f: Function(f, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
+    return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
 
 
 # Graphs dynamo keeps per code object before it gives up and runs it eagerly: each replica

@@ -184,16 +184,21 @@ class BackupAndRestore:
         self.restored_from = None
         for batch in iterator:
             yield batch
-            self._position.step_in_epoch += 1
-            self._position.global_step += 1
-            saved = False
-            if self._save_freq != "epoch" and self._position.global_step % self._save_freq == 0:
+            self.step_done()
+
+    def step_done(self) -> None:
+        """Count one training step (``steps`` calls it after each batch): back up every
+        ``save_freq`` steps and, once a preemption is due on every worker, save and exit."""
+        self._position.step_in_epoch += 1
+        self._position.global_step += 1
+        saved = False
+        if self._save_freq != "epoch" and self._position.global_step % self._save_freq == 0:
+            self._save()
+            saved = True
+        if self._preemption_due():
+            if not saved:
                 self._save()
-                saved = True
-            if self._preemption_due():
-                if not saved:
-                    self._save()
-                self._exit_fn()
+            self._exit_fn()
 
     def finish(self) -> None:
         """Training is over: delete the backup (``delete_checkpoint=True``).
@@ -274,3 +279,76 @@ def _set_rng(state: dict[str, Any], generators: list[torch.Generator]) -> None:
     random.setstate((version, tuple(py_state), py_gauss))
     for generator, generator_state in zip(generators, state["generators"], strict=False):
         generator.set_state(generator_state)
+
+
+class TerminationConfig:
+    """TensorFlow's ``tf.distribute.experimental.TerminationConfig``: what to do once the
+    preemption checkpoint is saved. ``exit_fn``: called then (default: exit with
+    ``PREEMPTION_EXIT_CODE``, which the launcher restarts). The preemption signal is SIGTERM;
+    ``termination_watcher_fn``, ``grace_period`` and ``save_fn`` are not supported (they raise).
+    """
+
+    def __init__(self, termination_watcher_fn: Any = None, exit_fn: Callable[[], None] | None = None,
+                 grace_period: Any = None, save_fn: Any = None):
+        for name, value in (("termination_watcher_fn", termination_watcher_fn), ("grace_period", grace_period),
+                            ("save_fn", save_fn)):
+            if value is not None:
+                raise InvalidArgumentError(
+                    f"TerminationConfig({name}=...) is not supported: the preemption signal is SIGTERM and the "
+                    "checkpoint is saved at the next step every worker reaches. Pass exit_fn only.")
+        if exit_fn is not None and not callable(exit_fn):
+            raise InvalidArgumentError(f"TerminationConfig exit_fn must be callable, got {type(exit_fn).__name__}.")
+        self.exit_fn = exit_fn
+
+
+class PreemptionCheckpointHandler:
+    """TensorFlow's ``tf.distribute.experimental.PreemptionCheckpointHandler`` on ``BackupAndRestore``.
+
+    Made, it restores the newest checkpoint in ``checkpoint_dir`` (``total_run_calls`` goes
+    on from there). ``run(train_step, *args)`` calls the step; after a SIGTERM to any worker,
+    every worker saves at the same step and exits (``termination_config.exit_fn``).
+    ``cluster_resolver`` is accepted for TensorFlow's signature: the workers are those of the
+    strategy the checkpointed objects belong to.
+
+    >>> import tempfile, torch, torch_distribute as td
+    >>> model = torch.nn.Linear(2, 1)
+    >>> handler = td.experimental.PreemptionCheckpointHandler(
+    ...     None, td.Checkpoint(model=model), tempfile.mkdtemp())
+    >>> for _ in range(3):
+    ...     loss = handler.run(lambda x: model(x).sum(), torch.ones(1, 2))
+    >>> handler.total_run_calls
+    3
+    """
+
+    def __init__(self, cluster_resolver: Any, checkpoint_or_checkpoint_manager: Checkpoint | CheckpointManager,
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 termination_config: TerminationConfig | None = None):
+        if checkpoint_dir is None:
+            if not isinstance(checkpoint_or_checkpoint_manager, CheckpointManager):
+                raise InvalidArgumentError(
+                    "PreemptionCheckpointHandler needs checkpoint_dir with a td.Checkpoint (or pass a "
+                    "td.CheckpointManager, whose directory is used).")
+            checkpoint_dir = checkpoint_or_checkpoint_manager.directory
+        if termination_config is not None and not isinstance(termination_config, TerminationConfig):
+            raise InvalidArgumentError(
+                f"termination_config must be a td.experimental.TerminationConfig, got {type(termination_config).__name__}.")
+        self.cluster_resolver = cluster_resolver
+        self._backup = BackupAndRestore(
+            checkpoint_or_checkpoint_manager, checkpoint_dir, save_freq="epoch", delete_checkpoint=False,
+            exit_fn=termination_config.exit_fn if termination_config is not None else None)
+
+    @property
+    def total_run_calls(self) -> int:
+        """The steps ``run`` has run, those before a restart included (restored)."""
+        return self._backup.global_step
+
+    def run(self, distributed_train_function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``distributed_train_function(*args, **kwargs)``, then save and exit if a preemption is due."""
+        result = distributed_train_function(*args, **kwargs)
+        self._backup.step_done()
+        return result
+
+    @contextlib.contextmanager
+    def watch_preemption_scope(self) -> Iterator[None]:
+        """TensorFlow's scope around the loop; the SIGTERM handler is installed at construction."""
+        yield

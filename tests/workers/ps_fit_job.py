@@ -95,6 +95,23 @@ if __name__ == "__main__":
                         validation_data=creator, validation_steps=VAL_STEPS)  # verbose "auto": 2 here
     evaluation = model.evaluate(dataset_fn, steps=4, return_dict=True, verbose=0)
     coordinator = td.coordinator.ClusterCoordinator(strategy)
+    stats_before_loader = dict(coordinator.worker_stats)
+
+    # TensorFlow's form: fit on a dataset (here a DataLoader over a TensorDataset with a repeating
+    # random sampler), sent to every worker by value and read there.
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 4, generator=generator)
+    rows = torch.utils.data.TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [3.0], [0.5]]) + 1.0)
+    loader = torch.utils.data.DataLoader(rows, batch_size=16, sampler=torch.utils.data.RandomSampler(
+        rows, replacement=True, num_samples=10_000))
+    with strategy.scope():
+        loader_model = td.keras.Model(nn.Linear(4, 1))
+    loader_model.compile(optimizer=td.keras.optimizers.SGD(learning_rate=0.05), loss="mse", steps_per_execution=4)
+    loader_history = loader_model.fit(loader, epochs=3, steps_per_epoch=8, verbose=0,
+                                      validation_data=rows, validation_steps=2, validation_batch_size=32)
+    loader_evaluation = loader_model.evaluate(rows, batch_size=64, steps=4, return_dict=True, verbose=0)
+    per_worker = coordinator.create_per_worker_dataset(loader)
+    first_batch = coordinator.schedule(lambda it: next(it)[0].shape[0], args=(iter(per_worker),)).fetch()
     result = {
         "history": history.history,
         "train_batches": recorder.train_batches,
@@ -102,9 +119,18 @@ if __name__ == "__main__":
         "epoch_forwards": recorder.epoch_forwards,
         "final_forwards": model.state_dict()["train_forwards"].tolist(),
         "coordinator_train_steps": len(coordinator_train_steps),
-        "worker_stats": coordinator.worker_stats,
+        "worker_stats": stats_before_loader,
         "evaluate": evaluation,
+        "loader_history": loader_history.history,
+        "loader_evaluate": loader_evaluation,
+        "loader_functions": sum(coordinator.worker_stats.values()) - sum(stats_before_loader.values()),
+        "first_batch": first_batch,
         "errors": {
+            "generator": error_of(lambda: loader_model.fit((b for b in loader), epochs=1, steps_per_epoch=1,
+                                                           verbose=0)),
+            "per_worker_generator": error_of(lambda: coordinator.create_per_worker_dataset(b for b in loader)),
+            "loader_batch_size": error_of(lambda: loader_model.fit(loader, batch_size=8, epochs=1, steps_per_epoch=1,
+                                                                   verbose=0)),
             "tensors": error_of(lambda: model.fit(torch.ones(8, 4), torch.ones(8, 1), epochs=1, verbose=0)),
             "no_steps": error_of(lambda: model.fit(creator, epochs=1, verbose=0)),
             "evaluate_tensors": error_of(lambda: model.evaluate(torch.ones(8, 4), torch.ones(8, 1), verbose=0)),

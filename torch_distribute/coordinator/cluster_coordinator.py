@@ -120,9 +120,11 @@ class ClusterCoordinator:
         """A dataset built on each worker by ``dataset_fn()`` (or ``dataset_fn(input_context)``).
 
         ``dataset_fn`` (any function, a closure included, sent as ``schedule`` sends
-        functions) or a picklable dataset object is sent to each worker; ``iter()`` of the
-        result gives the per-worker iterators. Raises ``InvalidArgumentError`` when it holds
-        something that cannot travel (an open file, a lock).
+        functions) or a picklable dataset object (a ``DataLoader``, a ``Dataset``, any
+        iterable that pickles) is sent to each worker by value; ``iter()`` of the result
+        gives the per-worker iterators. Raises ``InvalidArgumentError`` when it holds
+        something that cannot travel (an open file, a lock), or is a generator or another
+        iterator (pass a function that makes it).
         """
         return PerWorkerDataset(dataset_fn, len(self._dispatchers))
 

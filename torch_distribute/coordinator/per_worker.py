@@ -7,7 +7,7 @@ worker the first time a function there uses them (and again on a restarted worke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch_distribute.errors import ContextError, InvalidArgumentError
@@ -78,6 +78,11 @@ class PerWorkerDataset:
     """
 
     def __init__(self, dataset_fn: Any, num_workers: int):
+        if isinstance(dataset_fn, Iterator):
+            raise InvalidArgumentError(
+                f"create_per_worker_dataset cannot take a {type(dataset_fn).__name__}: an iterator (a generator) "
+                "is read where it was made and cannot be sent to the workers. Pass a function that makes it "
+                "(lambda: make_batches()), a DataLoader or another picklable dataset.")
         blob = pickling.dumps(dataset_fn, _value_reference, "the dataset function")
         self._oid = _registry().register_recipe(("dataset", blob, num_workers))
 

@@ -19,6 +19,7 @@ from torch_distribute.keras import (
     models,
     optimizers,
     preprocessing,
+    saving,
     utils,
 )
 from torch_distribute.keras.callbacks.history import History
@@ -38,5 +39,6 @@ __all__ = [
     "models",
     "optimizers",
     "preprocessing",
+    "saving",
     "utils",
 ]

@@ -77,6 +77,15 @@ class LossesContainer:
         else:
             self._resolved = losses_module.get(loss)
         self.multi_output = isinstance(loss, (Mapping, list, tuple))
+        resolved = self._resolved.values() if isinstance(self._resolved, Mapping) else (
+            self._resolved if isinstance(self._resolved, list) else [self._resolved])
+        for item in resolved:
+            if item is not None and getattr(item, "reduction", "sum_over_batch_size") != "sum_over_batch_size":
+                raise InvalidArgumentError(
+                    f"compile got the loss {item.name!r} with reduction={item.reduction!r}: fit averages every "
+                    "loss over the global batch itself (sum_over_batch_size, the same on any number of "
+                    "replicas). Pass the loss with its default reduction; reduction='none' or 'sum' are for "
+                    "custom training loops.")
 
     @property
     def output_names(self) -> list[str]:

@@ -20,6 +20,7 @@ tensor(0.5000)
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "MeanSquaredLogarithmicError",
     "Poisson",
     "ProbabilityLoss",
+    "Reduction",
     "SparseCategoricalCrossentropy",
     "TorchLoss",
     "align_ranks",
@@ -60,7 +62,7 @@ def align_ranks(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tenso
     y_true = torch.as_tensor(y_true, device=y_pred.device)
     if y_true.dim() == y_pred.dim() + 1 and y_true.shape[-1] == 1:
         y_true = y_true.squeeze(-1)
-    elif y_pred.dim() == y_true.dim() + 1 and y_pred.shape[-1] == 1:
+    elif y_pred.dim() == y_true.dim() + 1:  # Keras: (B,) targets of (B, k) predictions broadcast
         y_true = y_true.unsqueeze(-1)
     return y_true.to(y_pred.dtype), y_pred
 
@@ -171,14 +173,61 @@ def sparse_categorical_crossentropy(
 
 
 # -- loss objects --------------------------------------------------------------------------------
+class Reduction:
+    """The values of a loss's ``reduction=`` (TensorFlow's ``tf.keras.losses.Reduction``)."""
+
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"  # the weighted sum divided by the number of rows
+    SUM = "sum"  # the weighted sum
+    NONE = "none"  # one (weighted) loss per row
+    AUTO = "auto"  # TensorFlow's default: sum_over_batch_size
+
+    @classmethod
+    def check(cls, reduction: Any) -> str:
+        """``reduction`` as one of the three names (``"auto"`` is ``"sum_over_batch_size"``,
+        ``None`` is ``"none"``, as in Keras 3), else ``InvalidArgumentError``."""
+        if reduction is None:
+            return cls.NONE
+        if reduction == cls.AUTO:
+            return cls.SUM_OVER_BATCH_SIZE
+        if reduction not in (cls.SUM_OVER_BATCH_SIZE, cls.SUM, cls.NONE):
+            raise InvalidArgumentError(
+                f"reduction must be 'sum_over_batch_size' (the default), 'sum' or 'none', got {reduction!r}.")
+        return reduction
+
+
+def _takes_reduction(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` that also takes ``reduction=`` (set after the outermost constructor ran)."""
+
+    @functools.wraps(init)
+    def __init__(self: Loss, *args: Any, reduction: Any = Reduction.SUM_OVER_BATCH_SIZE, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.reduction = Reduction.check(reduction)
+
+    return __init__
+
+
 class Loss:
     """Base class: ``per_sample(y_true, y_pred)`` gives one loss per row.
 
-    Calling the loss gives the weighted mean over the batch (Keras' ``sum_over_batch_size``).
+    Calling the loss reduces the (weighted) rows as ``reduction=`` says, a keyword every loss
+    takes: ``"sum_over_batch_size"`` (the default: the mean over the batch), ``"sum"`` or
+    ``"none"`` (one value per row, for custom loops with ``td.compute_average_loss``).
+    ``compile``/``fit`` average over the *global* batch themselves and need the default.
+
+    >>> import torch, torch_distribute as td
+    >>> loss = td.keras.losses.MeanSquaredError(reduction="none")
+    >>> loss(torch.zeros(2, 1), torch.tensor([[1.0], [2.0]]))
+    tensor([1., 4.])
     """
 
     name = "loss"
     from_logits = False
+    reduction = Reduction.SUM_OVER_BATCH_SIZE
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            setattr(cls, "__init__", _takes_reduction(cls.__dict__["__init__"]))  # noqa: B010 (see Model)
 
     def per_sample(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -187,6 +236,10 @@ class Loss:
         values = self.per_sample(y_true, y_pred)
         if sample_weight is not None:
             values = values * torch.as_tensor(sample_weight, dtype=values.dtype, device=values.device).reshape(-1)
+        if self.reduction == Reduction.NONE:
+            return values
+        if self.reduction == Reduction.SUM:
+            return values.sum()
         return values.sum() / max(values.shape[0], 1)
 
     def __repr__(self) -> str:

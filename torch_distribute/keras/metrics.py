@@ -25,9 +25,19 @@ from torch_distribute import metrics as td_metrics
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.keras import losses as losses_module
 
+# tf.keras.metrics' names for the metrics td.metrics defines.
+CategoricalAccuracy = td_metrics.CategoricalAccuracy
+MeanAbsoluteError = td_metrics.MeanAbsoluteError
+MeanSquaredError = td_metrics.MeanSquaredError
+SparseCategoricalAccuracy = td_metrics.SparseCategoricalAccuracy
+
 __all__ = [
     "BinaryAccuracy",
+    "CategoricalAccuracy",
     "InferredAccuracy",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "SparseCategoricalAccuracy",
     "MeanMetricWrapper",
     "RootMeanSquaredError",
     "SparseTopKCategoricalAccuracy",

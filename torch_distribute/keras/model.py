@@ -109,8 +109,8 @@ class Model(nn.Module):
             object.__setattr__(self, "_constructor_arguments", ((module,), {"name": name, "dtype": dtype}))
         super().__init__()
         self.dtype_policy = global_policy() if dtype is None else Policy(dtype)
-        if module is not None and not isinstance(module, nn.Module):
-            raise InvalidArgumentError(f"td.keras.Model wraps a torch.nn.Module, got {type(module).__name__}.")
+        if module is not None:
+            _adopt(module)
         self.module = module
         self.name = name or (type(module).__name__ if module is not None else type(self).__name__)
         # The scope we are made in; the parameters' owner wins when they say otherwise.
@@ -193,11 +193,11 @@ class Model(nn.Module):
             raise UnmirroredStateError(
                 f"{self.name} was created outside strategy.scope() but is used with "
                 f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas): create the module "
-                "inside `with strategy.scope():`. A module loaded whole (torch.load, torch.jit.load, "
-                "copy.deepcopy) registers nothing with the strategy, even inside the scope: build the "
-                "module in the scope and load its weights (module.load_state_dict(torch.load(path)."
-                "state_dict())), or save the model with model.save(path) and load it with "
-                "td.keras.models.load_model(path) inside the scope."
+                "inside `with strategy.scope():`, or wrap a module made or loaded elsewhere (torch.load, "
+                "load_model, copy.deepcopy) inside the scope: `with strategy.scope(): model = "
+                "td.keras.Model(module)` hands it to the strategy. A TorchScript module (torch.jit.load) "
+                "cannot be handed over: build the module in the scope and load its weights "
+                "(module.load_state_dict(scripted.state_dict()))."
             )
         if context.has_strategy() and context.get_strategy() is not strategy:
             raise ContextError(
@@ -427,11 +427,14 @@ class Model(nn.Module):
         (the last rows, before shuffling). ``verbose``: ``"auto"`` (1 on the chief), 0, 1, 2.
         A ``td.keras.utils.experimental.DatasetCreator`` needs ``steps_per_epoch``.
 
-        Under ``ParameterServerStrategy`` (as in TensorFlow) ``x`` is a ``DatasetCreator`` or a
-        dataset function, ``steps_per_epoch`` is required, and the steps run on the workers:
+        Under ``ParameterServerStrategy`` (as in TensorFlow) ``x`` is a dataset sent to every
+        worker by value and read there (a ``DataLoader``, an iterable dataset, or a map-style
+        ``Dataset`` batched by ``batch_size``; read again from its start when it ends, as
+        ``tf.data``'s ``repeat()``), a ``DatasetCreator`` or a dataset function;
+        ``steps_per_epoch`` is required, and the steps run on the workers:
         each scheduled function runs ``steps_per_execution`` of them; the callbacks, the
         progress bar (``"auto"`` is 2 there) and the ``History`` run on the coordinator
-        (``validation_data``: a ``DatasetCreator`` with ``validation_steps``).
+        (``validation_data``: the same kinds, with ``validation_steps``).
         """
         self._assert_compiled("fit")
         strategy = self._resolve_strategy()
@@ -468,8 +471,8 @@ class Model(nn.Module):
     ) -> float | list[float] | dict[str, float]:
         """The loss (and metrics) on the data: a float, ``[loss, *metrics]``, or a dict.
 
-        Under ``ParameterServerStrategy`` ``x`` is a ``DatasetCreator`` or a dataset function
-        and ``steps`` is required: the test steps run on the workers and the result is the
+        Under ``ParameterServerStrategy`` ``x`` is a dataset (as in ``fit``), a
+        ``DatasetCreator`` or a dataset function and ``steps`` is required: the test steps run on the workers and the result is the
         metrics' global values.
 
         >>> import torch, torch_distribute as td
@@ -518,6 +521,54 @@ class Model(nn.Module):
     def weights_module(self) -> nn.Module:
         """The module whose ``state_dict`` ``save_weights`` writes: ``module``, or the model itself."""
         return self.module if self.module is not None else self
+
+    def _weight_names(self) -> list[list[str]]:
+        """The state_dict's names, one list per tensor (tied weights are one tensor), in order."""
+        groups: dict[int, list[str]] = {}
+        for name, value in self.weights_module.state_dict(keep_vars=True).items():
+            groups.setdefault(id(value), []).append(name)
+        return list(groups.values())
+
+    def get_weights(self) -> list[Any]:
+        """Every weight as a numpy array, in Keras' order: each layer's parameters then its
+        buffers (``state_dict`` order; tied weights once). Under ``FullyShardedStrategy`` the
+        whole arrays (call it on every worker: it gathers the shards).
+
+        >>> import torch, torch_distribute as td
+        >>> model = td.keras.Model(torch.nn.Linear(2, 1))
+        >>> [w.shape for w in model.get_weights()]
+        [(1, 2), (1,)]
+        >>> model.set_weights([w * 0 for w in model.get_weights()])
+        >>> float(model.module.weight.sum())
+        0.0
+        """
+        state = self.weights_module.state_dict()
+        arrays = []
+        for names in self._weight_names():
+            tensor = state[names[0]]
+            full = getattr(tensor, "full_tensor", None)
+            arrays.append((full() if callable(full) else tensor).detach().cpu().numpy().copy())  # not a view
+        return arrays
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        """Set every weight from arrays (or tensors) in ``get_weights``' order and shapes; under a
+        strategy every replica (or shard) gets them, as ``load_weights`` does."""
+        groups = self._weight_names()
+        if isinstance(weights, (str, bytes)) or len(weights) != len(groups):
+            raise InvalidArgumentError(
+                f"set_weights expects {len(groups)} arrays (get_weights' order), got "
+                f"{len(weights) if not isinstance(weights, (str, bytes)) else type(weights).__name__}.")
+        state = self.weights_module.state_dict()
+        values: dict[str, Any] = {}
+        for names, array in zip(groups, weights, strict=True):
+            current = state[names[0]]
+            value = torch.as_tensor(array).to(dtype=current.dtype)
+            if tuple(value.shape) != tuple(current.shape):
+                raise InvalidArgumentError(
+                    f"set_weights: {names[0]} has shape {tuple(current.shape)}, got an array of shape "
+                    f"{tuple(value.shape)}.")
+            values.update(dict.fromkeys(names, value))
+        Checkpoint(model=self.weights_module).load_state_dict({"save_counter": 0, "objects": {"model": values}})
 
     def save_weights(self, filepath: str, include_optimizer: bool = False) -> str:
         """Write the weights (and the optimizer state) to ``filepath`` as a ``td.Checkpoint`` file.
@@ -605,6 +656,31 @@ class Model(nn.Module):
                   f"Non-trainable params: {total - trainable:,}"]
         for line in lines:
             print_fn(line)
+
+
+def _adopt(module: Any) -> None:
+    """Check that ``module`` can train, and hand it to the strategy whose scope we are in when
+    it was made elsewhere (``torch.load`` of a whole module, ``load_model`` outside the scope)."""
+    if isinstance(module, torch.export.ExportedProgram) or (isinstance(module, nn.Module) and not _trains(module)):
+        raise InvalidArgumentError(
+            f"td.keras.Model cannot train a {type(module).__name__} (an ExportedProgram, or its .module(), is a "
+            "graph for inference: it does not support train()). To fine-tune, rebuild the module and load the "
+            "weights into it: module.load_state_dict(torch.export.load(path).module().state_dict()), or save "
+            "the model with model.save(path) and load it with td.keras.models.load_model(path).")
+    if not isinstance(module, nn.Module):
+        raise InvalidArgumentError(f"td.keras.Model wraps a torch.nn.Module, got {type(module).__name__}.")
+    first = next(iter([*module.parameters(), *module.buffers()]), None)
+    if first is not None and owner_of(first) is None and not isinstance(module, torch.jit.ScriptModule):
+        capture_module(module)  # nothing outside every scope
+
+
+def _trains(module: nn.Module) -> bool:
+    """Whether ``module.train()`` works (an exported program's module raises)."""
+    try:
+        module.train(module.training)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _check_run_modes(run_eagerly: Any, jit_compile: Any) -> bool:

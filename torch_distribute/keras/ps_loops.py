@@ -20,15 +20,16 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import data
 
 from torch_distribute import nest
 from torch_distribute.coordinator import ClusterCoordinator
-from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.errors import DatasetError, InvalidArgumentError
 from torch_distribute.keras.callbacks.backup_and_restore import BackupAndRestore
 from torch_distribute.keras.callbacks.base import Callback, CallbackList
 from torch_distribute.keras.callbacks.history import History
@@ -43,7 +44,7 @@ from torch_distribute.keras.training_loops import (
 )
 from torch_distribute.strategies import ParameterServerStrategy
 
-__all__ = ["check_predict", "dataset_function", "evaluate_loop", "fit_loop", "run_test_steps", "run_train_steps", "uses_coordinator"]
+__all__ = ["Repeated", "check_predict", "dataset_function", "evaluate_loop", "fit_loop", "run_test_steps", "run_train_steps", "uses_coordinator"]
 
 
 def uses_coordinator(strategy: Any) -> bool:
@@ -83,22 +84,66 @@ def run_test_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: int
 
 # -- checks -------------------------------------------------------------------------------------------
 _INPUT_HELP = (
-    "pass td.keras.utils.experimental.DatasetCreator(dataset_fn) (or the function dataset_fn itself), "
+    "pass a DataLoader or a torch Dataset (sent to every worker and read there), or "
+    "td.keras.utils.experimental.DatasetCreator(dataset_fn) (or the function dataset_fn itself), "
     "where dataset_fn(input_context) returns an iterable of (x, y[, sample_weight]) batches (typically "
     "endless): the workers build it and read it, as in TensorFlow."
 )
 
 
-def dataset_function(x: Any, what: str) -> Callable[..., Any]:
-    """The dataset function of ``x`` (a ``DatasetCreator`` or a function), else ``InvalidArgumentError``."""
+class Repeated:
+    """``source`` read again from its start each time it ends, as ``tf.data``'s ``repeat()``
+    (a dataset ``fit`` sends to the workers: ``steps_per_epoch`` says where epochs end)."""
+
+    def __init__(self, source: Any, what: str):
+        self.source = source
+        self.what = what
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            empty = True
+            for batch in self.source:
+                empty = False
+                yield batch
+            if empty:
+                raise DatasetError(f"{self.what} gives no batches on this worker: give it data.")
+
+
+def _map_style(x: Any) -> bool:
+    return isinstance(x, data.Dataset) and not isinstance(x, data.IterableDataset) and not hasattr(x, "__iter__")
+
+
+def dataset_function(x: Any, what: str, options: dict[str, Any] | None = None,
+                     batch_size_option: str = "batch_size", shuffle_option: str | None = None) -> Any:
+    """What every worker builds its dataset from: the function of a ``DatasetCreator`` or a
+    function, or a dataset sent by value (a ``DataLoader``, an iterable dataset, a map-style
+    ``Dataset`` batched by ``options[batch_size_option]``, default 32, shuffled when
+    ``shuffle_option`` is given and that option is not ``False``), read again when it ends; else ``InvalidArgumentError``.
+    The options a map-style dataset uses are taken out of ``options``."""
+    options = {} if options is None else options
     if isinstance(x, DatasetCreator):
         if x.input_options is not None:
             raise InvalidArgumentError(
                 f"{what}: a DatasetCreator's input_options are not supported under ParameterServerStrategy "
                 "(each worker reads its own dataset on its CPU): make it DatasetCreator(dataset_fn).")
         return x.dataset_fn
+    if isinstance(x, Iterator):  # a generator, an iterator: read once, here
+        raise InvalidArgumentError(
+            f"Under ParameterServerStrategy {what} cannot be a {type(x).__name__}: an iterator is read where it "
+            f"was made and cannot be sent to the workers. {_INPUT_HELP[0].upper()}{_INPUT_HELP[1:]} "
+            "(a function that makes the generator is fine).")
     if callable(x) and not isinstance(x, (nn.Module, type)) and not hasattr(x, "__iter__"):
         return x
+    if _map_style(x):
+        batch_size = options.pop(batch_size_option, None)
+        batch_size = 32 if batch_size is None else batch_size
+        check_int(batch_size_option, batch_size, minimum=1)
+        shuffle = shuffle_option is not None and options.pop(shuffle_option, None) is not False
+        x = data.DataLoader(x, batch_size=batch_size, shuffle=shuffle)
+    if isinstance(x, (data.DataLoader, data.IterableDataset)) or (
+            hasattr(x, "__iter__") and not isinstance(x, (torch.Tensor, str, bytes, list, tuple, dict, set))
+            and not hasattr(x, "__array__")):
+        return Repeated(x, f"{what} ({type(x).__name__})")
     raise InvalidArgumentError(
         f"Under ParameterServerStrategy the steps run on the workers, so {what} cannot be "
         f"{type(x).__name__}: {_INPUT_HELP}")
@@ -178,13 +223,14 @@ def fit_loop(
     ``sample_weight``, ``class_weight``, ``validation_batch_size``...): any of them not
     ``None`` raises ``InvalidArgumentError``.
     """
-    train_fn = dataset_function(x, "x")
+    train_fn = dataset_function(x, "x", unsupported, shuffle_option="shuffle")
+    val_fn = None
+    if validation_data is not None:
+        val_fn = dataset_function(validation_data, "validation_data", unsupported, "validation_batch_size")
     _refuse(**unsupported)
     _require_steps("fit", "steps_per_epoch", steps_per_epoch, _MAY_NOT_END)
     _check_model(model, callbacks, jit_compile)
-    val_fn = None
     if validation_data is not None:
-        val_fn = dataset_function(validation_data, "validation_data")
         _require_steps("validation_data", "validation_steps", validation_steps,
                        "(the number of test steps the workers run at each validation).")
     coordinator = ClusterCoordinator(strategy)
@@ -257,7 +303,7 @@ def evaluate_loop(
     **unsupported: Any,
 ) -> dict[str, float]:
     """Every metric's global value over ``num_steps`` test steps scheduled on the workers."""
-    fn = dataset_function(x, "x")
+    fn = dataset_function(x, "x", unsupported)
     _refuse(**unsupported)
     _require_steps("evaluate", "steps", num_steps, _MAY_NOT_END)
     _check_model(model, callbacks, jit_compile)

@@ -1,4 +1,4 @@
-"""How a ``td.keras.Model`` is recorded in a saved-model file and rebuilt from it.
+"""How a ``td.keras.Model`` is recorded in a saved-model file and rebuilt from it (``td.keras.saving``).
 
 A saved model is one ``td.Checkpoint`` file (checksummed, written collectively, loaded with
 ``weights_only=True``: nothing in it is code). Besides the weights (``"model"``, the
@@ -9,15 +9,19 @@ holds ``"keras_model"``: plain values naming every class and function by import 
 - the model: a ``td.keras.Model`` subclass by its constructor arguments, recorded when it
   was made (or by ``get_config()`` where the class defines one; rebuilt with
   ``from_config(config)`` when the class has it, else ``cls(**config)``); ``Model(module)``
-  by the wrapped module, which must be such a ``Model`` subclass or define ``get_config()``;
+  by the wrapped module: by its ``get_config()`` if its class has one, else by its class,
+  attributes, submodules and parameter shapes (``module_records``: ``nn.Sequential``,
+  ``ModuleList``, every ``torch.nn`` layer, your own modules);
 - the optimizer: its ``torch.optim`` class, its hyper-parameters and its parameter groups
   (by parameter name), and the loss-scale wrapper's settings;
 - ``compile``'s arguments: names, numbers, importable functions, ``td.keras.optimizers``
   specs, ``td.keras.losses`` function wrappers, and objects with ``get_config()``.
 
-What cannot be named by import path (a class or function defined in ``__main__`` or inside a
-function, a lambda, a module without a recorded configuration) raises
-``InvalidArgumentError`` at save time, saying what to change.
+Loading resolves every name through an ``allowlist.Resolver`` (``safe_mode``,
+``custom_objects``, ``register_serializable``) before building anything. What cannot be
+named by import path (a lambda, a class defined inside a function) raises
+``InvalidArgumentError`` at save time, saying what to change; a class of ``__main__`` is
+saved by name and loads in a program that defines it (``custom_objects``).
 
 >>> encode({"loss": "mse", "weights": (1.0, 0.5)}, "compile")
 {'loss': 'mse', 'weights': (1.0, 0.5)}
@@ -29,19 +33,22 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from torch_distribute import metrics as td_metrics
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.keras import losses as losses_module
+from torch_distribute.keras import module_records
 from torch_distribute.keras import optimizers as optimizers_module
+from torch_distribute.keras.allowlist import Resolver, register_serializable, registered_objects
 from torch_distribute.keras.mixed_precision import Policy
 from torch_distribute.mixed_precision import LossScaleOptimizer
 
-__all__ = ["ConfigRecord", "build_optimizer", "decode", "encode", "import_path", "optimizer_record", "resolve"]
+__all__ = ["ConfigRecord", "Resolver", "build_optimizer", "decode", "encode", "import_path", "named_paths",
+           "optimizer_record", "register_serializable", "registered_objects", "resolve"]
 
 _TAG = "__td_keras__"
 _PRIMITIVES = (str, int, float, bool, type(None), torch.Tensor)
@@ -68,8 +75,6 @@ def import_path(obj: Any, what: str | None = None) -> str:
     problem = None
     if module is None or qualname is None:
         problem = "it has no module and qualified name"
-    elif module == "__main__":
-        problem = "it is defined in __main__ (the script), which the loading program does not import"
     elif "<lambda>" in qualname or "<locals>" in qualname:
         problem = "it is a lambda or defined inside a function"
     else:
@@ -82,8 +87,8 @@ def import_path(obj: Any, what: str | None = None) -> str:
     if problem is not None:
         raise InvalidArgumentError(
             f"Cannot save {what}: a saved model names every class and function by import path, and {problem}. "
-            "Define it at the top level of an importable module (a .py file next to your script, not "
-            "__main__), or pass a name ('mse', 'accuracy', 'adam')."
+            "Define it at the top level of an importable module or of the script, or pass a name "
+            "('mse', 'accuracy', 'adam')."
         )
     return f"{module}:{qualname}"
 
@@ -98,12 +103,13 @@ def resolve(path: str) -> Any:
 
 
 def _module_class(value: Any) -> type:
-    """The class the user made ``value`` of: ``fully_shard`` swaps in a generated subclass."""
-    cls = type(value)
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was sharded
-    if fsdp is not None and isinstance(value, fsdp.FSDPModule):
-        cls = next(base for base in cls.__bases__ if base is not fsdp.FSDPModule)
-    return cls
+    return module_records.module_class(value) if isinstance(value, torch.nn.Module) else type(value)
+
+
+def _takes_only_a_name(cls: type) -> bool:
+    """Whether ``cls(name=...)`` rebuilds an instance (a metric with no other argument)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return set(parameters) - {"self"} <= {"name", "dtype"} and "name" in parameters
 
 
 def _tagged(kind: str, **fields: Any) -> dict[str, Any]:
@@ -130,17 +136,14 @@ def encode(value: Any, what: str) -> Any:
         if isinstance(value, torch.dtype):
             return _tagged("dtype", name=str(value).removeprefix("torch."))
         return _tagged("ref", path=import_path(value, what))
+    if isinstance(value, td_metrics.Metric) and _takes_only_a_name(type(value)):
+        return _tagged("object", cls=import_path(type(value), what), config={"name": value.name})
     if callable(getattr(value, "get_config", None)):
         return _tagged("object", cls=import_path(_module_class(value), what), config=encode(value.get_config(), what))
     if isinstance(value, torch.nn.Module):
         arguments = getattr(value, "constructor_arguments", None)
         if arguments is None:
-            raise InvalidArgumentError(
-                f"Cannot save {what}: the {type(value).__name__} module records no constructor arguments, so "
-                "the saved model could not rebuild it. Subclass td.keras.Model in an importable module (its "
-                "constructor arguments are recorded when it is made) and build the layers in its __init__, "
-                "or give the module's class get_config() returning its constructor's keyword arguments."
-            )
+            return module_records.encode_module(value, what, encode, lambda cls, where: import_path(cls, where))
         args, kwargs = arguments
         return _tagged("construct", cls=import_path(_module_class(value), what), args=encode(tuple(args), what),
                        kwargs=encode(dict(kwargs), what))
@@ -148,7 +151,7 @@ def encode(value: Any, what: str) -> Any:
         isinstance(value, losses_module.LossFunctionWrapper) and type(value).__module__ == losses_module.__name__
     ):
         return _tagged("loss_function", fn=import_path(value.fn, what), name=value.name,
-                       kwargs=encode(value.kwargs, what))
+                       kwargs=encode(value.kwargs, what), reduction=value.reduction)
     raise InvalidArgumentError(
         f"Cannot save {what}: a {type(value).__name__} object has no get_config(), so the saved model "
         "could not rebuild it. Pass it by name ('mse', 'accuracy'), as a function defined at the top "
@@ -157,34 +160,71 @@ def encode(value: Any, what: str) -> Any:
     )
 
 
-def decode(value: Any) -> Any:
-    """The inverse of ``encode`` (imports the named classes and functions)."""
+_UNSAFE = Resolver(None, safe_mode=False)
+# The entry of each kind of record that names a class or function.
+_NAMING_KEY = {"ref": "path", "construct": "cls", "object": "cls", module_records.KIND: "cls",
+               "optimizer_spec": "cls", "loss_function": "fn"}
+
+
+def named_paths(record: Any) -> list[str]:
+    """Every class and function path ``record`` (what ``encode`` wrote) names."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            key = _NAMING_KEY.get(value.get(_TAG))
+            if key is not None:
+                found.append(value[key])
+            for item in value.values():
+                walk(item)
+
+    walk(record)
+    return found
+
+
+def decode(value: Any, resolver: Resolver = _UNSAFE) -> Any:
+    """The inverse of ``encode``: ``resolver`` gives (or refuses) each named class and function."""
     if isinstance(value, list):
-        return [decode(item) for item in value]
+        return [decode(item, resolver) for item in value]
     if isinstance(value, tuple):
-        return tuple(decode(item) for item in value)
+        return tuple(decode(item, resolver) for item in value)
     if not isinstance(value, dict):
         return value
     kind = value.get(_TAG)
     if kind is None:
-        return {k: decode(v) for k, v in value.items()}
+        return {k: decode(v, resolver) for k, v in value.items()}
     if kind == "ref":
-        return resolve(value["path"])
+        return resolver(value["path"])
     if kind == "dtype":
         return getattr(torch, value["name"])
     if kind == "optimizer_spec":
-        return optimizers_module.OptimizerSpec(resolve(value["cls"]), value["learning_rate"], value["name"],
-                                               **decode(value["kwargs"]))
+        return optimizers_module.OptimizerSpec(resolver(value["cls"]), value["learning_rate"], value["name"],
+                                               **decode(value["kwargs"], resolver))
     if kind == "loss_function":
-        return losses_module.LossFunctionWrapper(resolve(value["fn"]), name=value["name"], **decode(value["kwargs"]))
+        return losses_module.LossFunctionWrapper(
+            resolver(value["fn"]), name=value["name"], reduction=value.get("reduction", "sum_over_batch_size"),
+            **decode(value["kwargs"], resolver))
     if kind == "construct":
-        return resolve(value["cls"])(*decode(value["args"]), **decode(value["kwargs"]))
+        return _class(resolver, value["cls"])(*decode(value["args"], resolver), **decode(value["kwargs"], resolver))
+    if kind == module_records.KIND:
+        return module_records.decode_module(value, resolver, lambda v: decode(v, resolver))
     if kind == "object":
-        cls = resolve(value["cls"])
-        config = decode(value["config"])
+        cls = _class(resolver, value["cls"])
+        config = decode(value["config"], resolver)
         from_config = getattr(cls, "from_config", None)
         return from_config(config) if callable(from_config) else cls(**config)
     raise InvalidArgumentError(f"Unknown entry {kind!r} in a saved model; it was written by a newer torch-distribute.")
+
+
+def _class(resolver: Resolver, path: str) -> type:
+    """The class at ``path``: a saved model calls classes with its arguments, never functions."""
+    cls = resolver(path)
+    if not isinstance(cls, type):
+        raise InvalidArgumentError(f"The saved model names {path} to construct, but it is not a class.")
+    return cls
 
 
 def optimizer_record(optimizer: Any, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
@@ -211,17 +251,18 @@ def optimizer_record(optimizer: Any, named_parameters: Iterable[tuple[str, torch
             "defaults": encode(dict(inner.defaults), "the optimizer"), "groups": groups, "loss_scale": scaling}
 
 
-def build_optimizer(record: dict[str, Any], named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> Any:
+def build_optimizer(record: dict[str, Any], named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                    resolver: Resolver = _UNSAFE) -> Any:
     """The optimizer ``optimizer_record`` described, over the parameters of the same names
     (call it in the model's strategy scope)."""
-    cls = resolve(record["cls"])
+    cls = _class(resolver, record["cls"])
     params = dict(named_parameters)
     missing = [n for group in record["groups"] for n in group["params"] if n not in params]
     if missing:
         raise InvalidArgumentError(f"The saved optimizer holds parameters the model lacks: {missing[:5]}.")
     accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in decode(record["defaults"]).items() if k in accepted}
-    groups = [{**decode({k: v for k, v in group.items() if k != "params"}),
+    defaults = {k: v for k, v in decode(record["defaults"], resolver).items() if k in accepted}
+    groups = [{**decode({k: v for k, v in group.items() if k != "params"}, resolver),
                "params": [params[n] for n in group["params"]]} for group in record["groups"]]
     optimizer = cls(groups, **defaults)
     if record["loss_scale"] is not None:

@@ -16,9 +16,11 @@ class ModelCheckpoint(Callback):
     ``filepath`` may hold ``{epoch:02d}``, ``{batch}`` and any logged value
     (``"ckpt-{epoch:02d}-{val_loss:.2f}.pt"``). ``save_best_only``: save only when
     ``monitor`` improves (``mode``: ``"auto"``, ``"min"``, ``"max"``).
-    ``save_weights_only=True`` leaves the optimizer out. ``save_freq``: ``"epoch"`` or a
-    number of batches. Every worker calls it, and the save is collective
-    (``model.save_weights``): every worker returns once the chief's file is complete, so a
+    By default the whole model is saved (``model.save``: the architecture, the weights, the
+    optimizer and its state; ``td.keras.models.load_model(path)`` rebuilds it);
+    ``save_weights_only=True`` writes the weights only (``model.save_weights``).
+    ``save_freq``: ``"epoch"`` or a number of batches. Every worker calls it, and the save is
+    collective: every worker returns once the chief's file is complete, so a
     ``model.load_weights(path)`` on every worker right after ``fit`` reads the same weights.
     With ``save_best_only`` the workers take the chief's value of ``monitor``, so they agree
     on whether to save. The file loads with ``model.load_weights(path)`` or, with no Keras
@@ -77,7 +79,10 @@ class ModelCheckpoint(Callback):
                       f"{current:.5f}, saving model to {path}")
         else:
             self._log(f"Epoch {epoch + 1}: saving model to {path}")
-        self.model.save_weights(path, include_optimizer=not self.save_weights_only)
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        else:  # the whole model, as Keras: load_model(path) rebuilds it, load_weights(path) reads it too
+            self.model.save(path)
         self.saved.append(path)
 
     def _chiefs(self, value: float | None) -> float | None:
