@@ -45,7 +45,7 @@ docs-serve: setup
 
 # The suite in two passes: tests marked `serial` (worker processes that need both cores, or
 # timing) run alone; the rest run on 2 pytest-xdist workers.
-test: lint docs
+test: lint typecheck docs
 	$(PY) -m pytest -q -m "not serial" -n 2
 	$(PY) -m pytest -q -m serial
 
