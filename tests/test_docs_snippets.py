@@ -62,3 +62,12 @@ def test_runnable_block(where, code, tmp_path):
         output = procs.output(proc)
     assert status is not None, f"{where} ran past {LIMIT_S} s:\n{output[-3000:]}"
     assert status == 0, f"{where} exited {status}:\n{output[-3000:]}"
+
+
+def test_the_readmes_relative_links_lead_to_files():
+    """README.md is not part of the site that ``mkdocs build --strict`` checks."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\((?!https?://|#)([^)#]+)", text)
+    assert targets
+    missing = [t for t in targets if not (REPO / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
