@@ -1,15 +1,16 @@
 # Every target creates .venv/ in the repository root and installs the package into it.
 #
 # Which torch: TORCH_INDEX is a wheel index pip reads besides PyPI (and any local wheels).
-# The default is PyTorch's CPU-only index, so a stock machine gets the CPU build of
-# $(TORCH_SPEC) (`2.13.0+cpu` sorts above PyPI's CUDA `2.13.0`), not several GB of CUDA
-# wheels; where that index cannot be reached pip says so and uses a local wheel or PyPI.
-# For NVIDIA GPUs name the CUDA build matching your driver, e.g.
+# By default it is PyTorch's CPU-only index when that index answers, so a stock machine gets
+# the CPU build of $(TORCH_SPEC) (`2.13.0+cpu` sorts above PyPI's CUDA `2.13.0`), not several
+# GB of CUDA wheels; where it does not answer (an offline mirror) pip uses what it is
+# configured with. For NVIDIA GPUs name the CUDA build matching your driver, e.g.
 #     make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126
-# and TORCH_INDEX= (empty) takes PyPI's default build. `make setup` prints which it installed.
+# and TORCH_INDEX= (empty) takes pip's default build. `make setup` prints which it installed.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5); print('$(CPU_INDEX)')" 2>/dev/null)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
