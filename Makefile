@@ -39,10 +39,10 @@ typecheck: setup
 	$(PY) -m mypy
 
 docs: setup
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 docs-serve: setup
-	$(PY) -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 # The suite in two passes: tests marked `serial` (worker processes that need both cores, or
 # timing) run alone; the rest run on 2 pytest-xdist workers.
