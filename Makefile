@@ -1,28 +1,54 @@
 # Every target creates .venv/ in the repository root and installs the package into it.
+#
+# Which torch: TORCH_INDEX is a wheel index pip reads besides PyPI (and any local wheels).
+# By default it is PyTorch's CPU-only index when that index answers, so a stock machine gets
+# the CPU build of $(TORCH_SPEC) (`2.13.0+cpu` sorts above PyPI's CUDA `2.13.0`), not several
+# GB of CUDA wheels; where it does not answer (an offline mirror) pip uses what it is
+# configured with. For NVIDIA GPUs name the CUDA build matching your driver, e.g.
+#     make setup TORCH_INDEX=https://download.pytorch.org/whl/cu126
+# and TORCH_INDEX= (empty) takes pip's default build. `make setup` prints which it installed.
 PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5); print('$(CPU_INDEX)')" 2>/dev/null)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench gpu-report clean
+.PHONY: setup demo test lint typecheck docs docs-serve bench gpu-report clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The pinned CPU build first: an unpinned torch would pull several GB of CUDA wheels.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,examples]"
+	# torch first, from TORCH_INDEX (see above), so that the package's `torch>=` is already met.
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[test,examples,docs]"
+	@$(PY) -c "import torch; print('installed torch', torch.__version__, '(' + ('CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only') + ' build)')"
 	touch $(STAMP)
 
 demo: setup
 	$(PY) examples/custom_training_loop.py --strategy mirrored --epochs 11 --batch-size-per-replica 16 --cosine-decay
 
-test: setup
+lint: setup
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+
+typecheck: setup
+	$(PY) -m mypy
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+# The suite in two passes: tests marked `serial` (worker processes that need both cores, or
+# timing) run alone; the rest run on 2 pytest-xdist workers.
+test: lint typecheck docs
+	$(PY) -m pytest -q -m "not serial" -n 2
+	$(PY) -m pytest -q -m serial
 
 bench: setup
 	$(PY) benchmarks/run_all.py
@@ -34,4 +60,4 @@ gpu-report:
 	$(PYTHON) benchmarks/gpu_report.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

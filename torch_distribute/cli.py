@@ -1,4 +1,5 @@
-"""The ``torch-distribute`` command.
+"""The ``torch-distribute`` command: inspect this machine's devices, start local worker processes
+of a training script, and convert checkpoints.
 
     torch-distribute devices    # what MirroredStrategy() would use on this machine
     torch-distribute version
@@ -55,20 +56,42 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "launch":  # everything after `launch` belongs to the launcher
         return _launch(argparse.Namespace(launch_args=argv[1:]))
-    parser = argparse.ArgumentParser(prog="torch-distribute", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("devices", help="list the devices a strategy would use").set_defaults(run=_devices)
-    commands.add_parser("version", help="print versions").set_defaults(run=_version)
-    checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
+    from torch_distribute import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="torch-distribute",
+        description="torch-distribute: the tf.distribute programming model for PyTorch. Inspect "
+        "this machine's devices, start local worker processes of a training script, and convert "
+        "checkpoints. `torch-distribute COMMAND -h` describes each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"torch-distribute {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "devices", help="list the devices a strategy would use",
+        description="Print the torch version, the intra-op thread count and the devices "
+        "MirroredStrategy() would use on this machine (every visible GPU, else the CPU).",
+    ).set_defaults(run=_devices)
+    commands.add_parser(
+        "version", help="print versions",
+        description="Print the versions of torch-distribute and of the torch it runs on.",
+    ).set_defaults(run=_version)
+    checkpoint = commands.add_parser(
+        "checkpoint", help="work with checkpoints",
+        description="Work with checkpoints written by td.Checkpoint, CheckpointManager or "
+        "BackupAndRestore.",
+    )
     checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
     convert = checkpoint_commands.add_parser(
-        "convert", help="write a sharded checkpoint directory (FullyShardedStrategy) as one plain file"
+        "convert", help="write a sharded checkpoint directory (FullyShardedStrategy) as one plain file",
+        description="Join the shards of a checkpoint directory written under FullyShardedStrategy "
+        "into one plain torch.save file, which loads under any strategy or none.",
     )
     convert.add_argument("source", help="the sharded checkpoint directory, e.g. ckpts/ckpt-3")
     convert.add_argument("target", help="the file to write; loads under any strategy or none")
     convert.set_defaults(run=_convert)
     launch = commands.add_parser(
-        "launch", help="start local worker processes of a training script", add_help=False
+        "launch", help="start local worker processes of a training script (`launch -h` for its options)",
+        add_help=False,
     )
     launch.add_argument("launch_args", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)

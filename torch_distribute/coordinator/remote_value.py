@@ -10,6 +10,8 @@ from torch_distribute.errors import ClosureCancelledError, InvalidArgumentError
 
 
 class RemoteValueStatus(enum.Enum):
+    """Where a scheduled function's ``RemoteValue`` stands: not ready, aborted (to run again), ready."""
+
     NOT_READY = "NOT_READY"
     ABORTED = "ABORTED"  # its worker failed; it will run again on another worker
     READY = "READY"

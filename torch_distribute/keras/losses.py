@@ -266,36 +266,50 @@ class LossFunctionWrapper(Loss):
 
 
 class MeanSquaredError(LossFunctionWrapper):
+    """Keras' ``MeanSquaredError``: the mean of ``(y_true - y_pred) ** 2`` over the last axis, per sample."""
+
     def __init__(self, name: str = "mean_squared_error"):
         super().__init__(mean_squared_error, name=name)
 
 
 class MeanAbsoluteError(LossFunctionWrapper):
+    """Keras' ``MeanAbsoluteError``: the mean of ``|y_true - y_pred|`` over the last axis, per sample."""
+
     def __init__(self, name: str = "mean_absolute_error"):
         super().__init__(mean_absolute_error, name=name)
 
 
 class MeanAbsolutePercentageError(LossFunctionWrapper):
+    """Keras' ``MeanAbsolutePercentageError``: ``100 * mean(|y_true - y_pred| / |y_true|)``, per sample."""
+
     def __init__(self, name: str = "mean_absolute_percentage_error"):
         super().__init__(mean_absolute_percentage_error, name=name)
 
 
 class MeanSquaredLogarithmicError(LossFunctionWrapper):
+    """Keras' ``MeanSquaredLogarithmicError``: the mean of ``(log1p(y_true) - log1p(y_pred)) ** 2``, per sample."""
+
     def __init__(self, name: str = "mean_squared_logarithmic_error"):
         super().__init__(mean_squared_logarithmic_error, name=name)
 
 
 class Huber(LossFunctionWrapper):
+    """Keras' ``Huber`` loss: quadratic for errors up to ``delta``, linear beyond, per sample."""
+
     def __init__(self, delta: float = 1.0, name: str = "huber_loss"):
         super().__init__(huber, name=name, delta=delta)
 
 
 class KLDivergence(LossFunctionWrapper):
+    """Keras' ``KLDivergence``: ``sum(y_true * log(y_true / y_pred))`` over the last axis, per sample."""
+
     def __init__(self, name: str = "kl_divergence"):
         super().__init__(kl_divergence, name=name)
 
 
 class Poisson(LossFunctionWrapper):
+    """Keras' ``Poisson`` loss: the mean of ``y_pred - y_true * log(y_pred)``, per sample."""
+
     def __init__(self, name: str = "poisson"):
         super().__init__(poisson, name=name)
 

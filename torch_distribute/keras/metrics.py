@@ -115,11 +115,15 @@ class BinaryAccuracy(MeanMetricWrapper):
 
 
 class TopKCategoricalAccuracy(MeanMetricWrapper):
+    """How often the one-hot target is among the ``k`` highest predictions."""
+
     def __init__(self, k: int = 5, name: str = "top_k_categorical_accuracy"):
         super().__init__(top_k_categorical_accuracy, name=name, k=k)
 
 
 class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
+    """How often the integer target is among the ``k`` highest predictions."""
+
     def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy"):
         super().__init__(sparse_top_k_categorical_accuracy, name=name, k=k)
 

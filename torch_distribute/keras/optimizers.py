@@ -118,10 +118,12 @@ def AdamW(learning_rate: float = 0.001, weight_decay: float = 0.004, beta_1: flo
 
 
 def Adamax(learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7) -> OptimizerSpec:
+    """Keras' ``Adamax``: ``torch.optim.Adamax`` with Keras' defaults."""
     return OptimizerSpec(torch.optim.Adamax, learning_rate, "Adamax", betas=(beta_1, beta_2), eps=epsilon)
 
 
 def Nadam(learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999, epsilon: float = 1e-7) -> OptimizerSpec:
+    """Keras' ``Nadam``: ``torch.optim.NAdam`` with Keras' defaults."""
     return OptimizerSpec(torch.optim.NAdam, learning_rate, "Nadam", betas=(beta_1, beta_2), eps=epsilon)
 
 
@@ -133,11 +135,13 @@ def RMSprop(learning_rate: float = 0.001, rho: float = 0.9, momentum: float = 0.
 
 
 def Adagrad(learning_rate: float = 0.001, initial_accumulator_value: float = 0.1, epsilon: float = 1e-7) -> OptimizerSpec:
+    """Keras' ``Adagrad``: ``torch.optim.Adagrad`` with Keras' defaults."""
     return OptimizerSpec(torch.optim.Adagrad, learning_rate, "Adagrad",
                          initial_accumulator_value=initial_accumulator_value, eps=epsilon)
 
 
 def Adadelta(learning_rate: float = 0.001, rho: float = 0.95, epsilon: float = 1e-7) -> OptimizerSpec:
+    """Keras' ``Adadelta``: ``torch.optim.Adadelta`` with Keras' defaults."""
     return OptimizerSpec(torch.optim.Adadelta, learning_rate, "Adadelta", rho=rho, eps=epsilon)
 
 
