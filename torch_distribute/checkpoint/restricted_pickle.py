@@ -13,8 +13,8 @@ file, before anything it names is called. Plain files and ``layout.pt`` load wit
 >>> try:
 ...     load_metadata(io.BytesIO(pickle.dumps(subprocess.run)), "ckpt-1/.metadata")
 ... except Exception as error:
-...     print(type(error).__name__, str(error)[:71])
-CheckpointError Checkpoint file 'ckpt-1/.metadata' names subprocess.run, which is no
+...     print(type(error).__name__, str(error).split(",")[0])
+CheckpointError Checkpoint file 'ckpt-1/.metadata' names subprocess.run
 """
 
 from __future__ import annotations
