@@ -40,7 +40,7 @@ import torch.distributed as dist
 # exit ("terminate called without an active exception") happened.
 import torch.distributed.nn.functional  # noqa: F401
 
-from torch_distribute.collectives import exchange, fingerprint, network
+from torch_distribute.collectives import exchange, fingerprint, job_auth, job_secret, network
 from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
@@ -48,6 +48,7 @@ from torch_distribute.collectives.communication import (
 from torch_distribute.collectives.packing import apply_packed_
 from torch_distribute.errors import (
     InvalidArgumentError,
+    JobAuthenticationError,
     ReplicaMismatchError,
     WorkerUnavailableError,
 )
@@ -120,6 +121,7 @@ class WorkerGroup:
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
+        self._secret = job_secret.required_secret(host, f"The job's rendezvous (worker {rank} of {world_size})")
         if dist.is_initialized():
             raise WorkerUnavailableError(
                 "torch.distributed is already initialized in this process; create the "
@@ -182,16 +184,20 @@ class WorkerGroup:
         hosts_store = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
             if hosts_store:
-                store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
-                                      timeout=self._timeout, wait_for_workers=False)
-                self.port = store.port  # port 0 (a single local worker) picks a free one
+                # Bound to the address the job meets at (loopback for a local job), not every interface.
+                listener = job_auth.listening_socket(self.host, self.port)
+                raw = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
+                                    timeout=self._timeout, wait_for_workers=False,
+                                    master_listen_fd=listener.detach() if listener is not None else None)
+                self.port = raw.port  # port 0 (a single local worker) picks a free one
+                store = job_auth.namespaced(raw)
             else:
                 # The client retries once after a random back-off as long as its timeout: give
                 # each attempt half, so the whole wait stays within timeout_seconds. A chief
                 # stopped after making its store accepts the connection and never answers.
-                store = self._within(lambda: dist.TCPStore(
+                store = job_auth.namespaced(self._within(lambda: dist.TCPStore(
                     self.host, self.port, self.world_size, is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout / 2)), timeout + self._store_deadline)
+                    timeout=datetime.timedelta(seconds=timeout / 2)), timeout + self._store_deadline))
                 store.set_timeout(self._timeout)
         except Exception as error:  # noqa: BLE001 - rewrapped with what to check
             raise WorkerUnavailableError(
@@ -217,6 +223,19 @@ class WorkerGroup:
                 "joined. Start every worker (same cluster configuration), or raise "
                 "CommunicationOptions(timeout_seconds=...)."
             ) from error
+        # Every worker proves the job secret before its rank is accepted (job_auth.py).
+        try:
+            self._within(lambda: job_auth.authenticate(store, self.rank, self.world_size, self._secret,
+                                                       f"{self.host}:{self.port}", timeout),
+                         timeout + self._store_deadline)
+        except JobAuthenticationError:
+            raise
+        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} could not finish proving the job secret at {self.host}:{self.port} "
+                f"within {timeout:.0f} s ({error}): a worker or the chief stopped during the rendezvous. "
+                "Restart the job."
+            ) from error
         return store
 
     def _gpus_shared_with_others(self, gpus: Sequence[str]) -> str | None:
@@ -234,8 +253,9 @@ class WorkerGroup:
     # -- health ---------------------------------------------------------------------------
     def _beat(self) -> None:
         try:
-            client = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                   timeout=datetime.timedelta(seconds=self._heartbeat_interval * 2 + 1))
+            client = job_auth.namespaced(dist.TCPStore(
+                self.host, self.port, self.world_size, is_master=False,
+                timeout=datetime.timedelta(seconds=self._heartbeat_interval * 2 + 1)))
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
         self._heartbeat_client = client
@@ -323,8 +343,9 @@ class WorkerGroup:
 
         def probe_store() -> None:
             try:
-                probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=self._store_deadline))
+                probe = job_auth.namespaced(dist.TCPStore(
+                    self.host, self.port, self.world_size, is_master=False,
+                    timeout=datetime.timedelta(seconds=self._store_deadline)))
                 deadline = time.time() + 3 * self._heartbeat_interval
                 while True:
                     left = {r: probe.get(f"{_LEFT_PREFIX}{r}").decode()
