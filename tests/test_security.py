@@ -280,3 +280,65 @@ def test_the_channel_calls_entry_points_only_for_peers_with_the_secret(tmp_path,
         assert "refused a call" in log and "refused a connection" in log and "MAC is wrong" in log, log
     finally:
         server.close()
+
+
+# -- a parameter-server job under attack ----------------------------------------------------------
+PS_ATTACK_JOB = str(Path(__file__).resolve().parent / "workers" / "ps_attack_job.py")
+
+
+def _attack(address: tuple[str, int], marker: Path) -> list[str]:
+    """What an outsider holding everything but the secret tries on one task's listener."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from torch_distribute.ps.secure_channel import ChannelClient
+
+    outcomes = []
+    try:  # the library's own protocol, with a guessed secret
+        ChannelClient(address, b"guessed-secret-0123456789", name="intruder")
+        outcomes.append("joined")
+    except td.JobAuthenticationError:
+        outcomes.append("refused")
+    raw = socket.create_connection(address, timeout=30)  # skip the handshake: send a pickle
+    raw.recv(64)
+    raw.sendall(pickle.dumps(_Payload(str(marker))) * 2)
+    raw.settimeout(30)
+    try:
+        outcomes.append("dropped" if raw.recv(64) == b"" else "answered")
+    except ConnectionResetError:
+        outcomes.append("dropped")
+    raw.close()
+    try:  # the membership step of torch.distributed.rpc (what the issue's visitor ran)
+        dist.TCPStore(address[0], address[1], is_master=False, timeout=datetime.timedelta(seconds=3))
+        outcomes.append("store joined")
+    except Exception:  # noqa: BLE001 - any failure is a refusal
+        outcomes.append("store refused")
+    return outcomes
+
+
+@pytest.mark.timeout(300)
+def test_an_outsider_cannot_join_or_run_code_in_a_parameter_server_job(tmp_path):
+    marker, done = tmp_path / "pwned", tmp_path / "attacks-done"
+    with P.processes(tmp_path) as procs:
+        job = procs.spawn([PS_ATTACK_JOB, str(done)], P.clean_env(), "coordinator")
+        deadline = time.monotonic() + 200
+        while "CLUSTER " not in procs.output(job):
+            assert job.poll() is None and time.monotonic() < deadline, procs.output(job)
+            time.sleep(0.2)
+        cluster = json.loads(procs.output(job).split("CLUSTER ", 1)[1].splitlines()[0])
+        outcomes = {}
+        for kind in ("chief", "worker", "ps"):
+            host, port = cluster[kind][0].rsplit(":", 1)
+            outcomes[kind] = _attack((host, int(port)), marker)
+        done.touch()
+        code = procs.wait(job, deadline - time.monotonic())
+        text = procs.output(job)
+    assert outcomes == {kind: ["refused", "dropped", "store refused"] for kind in outcomes}, outcomes
+    assert code == 0, text
+    result = json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["untouched"] and result["last_loss"] < 0.5 and result["steps"] == {"worker:0": 20}, result
+    for task in ("chief:0", "[worker:0] worker:0", "[ps:0] ps:0"):  # each task logged its intruders
+        assert f"{task} refused a connection" in text, (task, text[-3000:])
+    assert not marker.exists()

@@ -189,8 +189,10 @@ class ChannelServer:
         try:
             while True:
                 header, payload = session.receive()
+                if self._closed.is_set():
+                    return
                 self._pool.submit(self._handle, session, header, payload, peer)
-        except (OSError, ConnectionError) as error:
+        except (OSError, ConnectionError, RuntimeError) as error:  # RuntimeError: the pool closed
             if "MAC" in str(error):
                 logger.warning("%s closed its connection from %s: %s.", self.name, peer, error)
         finally:
@@ -272,6 +274,11 @@ class ChannelClient:
                 pending, self._pending = self._pending, {}
             for future in pending.values():
                 future.set_exception(ConnectionError(f"the connection closed ({error})"))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection is still open (no failure read yet)."""
+        return self._failure is None
 
     def call_async(self, entry: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Call the server's entry point ``entry`` with ``args``/``kwargs`` (sent by value)."""
