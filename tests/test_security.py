@@ -318,27 +318,36 @@ def _attack(address: tuple[str, int], marker: Path) -> list[str]:
     return outcomes
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_an_outsider_cannot_join_or_run_code_in_a_parameter_server_job(tmp_path):
-    marker, done = tmp_path / "pwned", tmp_path / "attacks-done"
+    """Both ways of starting a job, at once: the in-process cluster, and one task per process
+    with a TF_CONFIG each (``local_cluster``)."""
+    marker = tmp_path / "pwned"
+    ways = {"in_process": [PS_ATTACK_JOB],
+            "tf_config": ["-m", "torch_distribute.ps.local_cluster", "--workers", "1", "--ps", "1",
+                          "--timeout", "300", PS_ATTACK_JOB]}
     with P.processes(tmp_path) as procs:
-        job = procs.spawn([PS_ATTACK_JOB, str(done)], P.clean_env(), "coordinator")
-        deadline = time.monotonic() + 200
-        while "CLUSTER " not in procs.output(job):
-            assert job.poll() is None and time.monotonic() < deadline, procs.output(job)
-            time.sleep(0.2)
-        cluster = json.loads(procs.output(job).split("CLUSTER ", 1)[1].splitlines()[0])
-        outcomes = {}
-        for kind in ("chief", "worker", "ps"):
-            host, port = cluster[kind][0].rsplit(":", 1)
-            outcomes[kind] = _attack((host, int(port)), marker)
-        done.touch()
-        code = procs.wait(job, deadline - time.monotonic())
-        text = procs.output(job)
-    assert outcomes == {kind: ["refused", "dropped", "store refused"] for kind in outcomes}, outcomes
-    assert code == 0, text
-    result = json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
-    assert result["untouched"] and result["last_loss"] < 0.5 and result["steps"] == {"worker:0": 20}, result
-    for task in ("chief:0", "[worker:0] worker:0", "[ps:0] ps:0"):  # each task logged its intruders
-        assert f"{task} refused a connection" in text, (task, text[-3000:])
+        jobs = {way: procs.spawn([*argv, str(tmp_path / f"done-{way}")], P.clean_env(), way)
+                for way, argv in ways.items()}
+        deadline = time.monotonic() + 300
+        outcomes, texts, codes = {}, {}, {}
+        for way, job in jobs.items():
+            while "CLUSTER " not in procs.output(job):
+                assert job.poll() is None and time.monotonic() < deadline, procs.output(job)
+                time.sleep(0.2)
+            cluster = json.loads(procs.output(job).split("CLUSTER ", 1)[1].splitlines()[0])
+            for kind in ("chief", "worker", "ps"):
+                host, port = cluster[kind][0].rsplit(":", 1)
+                outcomes[way, kind] = _attack((host, int(port)), marker)
+            (tmp_path / f"done-{way}").touch()
+        for way, job in jobs.items():
+            codes[way] = procs.wait(job, deadline - time.monotonic())
+            texts[way] = procs.output(job)
+    assert outcomes == {key: ["refused", "dropped", "store refused"] for key in outcomes}, outcomes
+    for way, text in texts.items():
+        assert codes[way] == 0, (way, text[-3000:])
+        result = json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
+        assert result["untouched"] and result["last_loss"] < 0.5 and result["steps"] == {"worker:0": 20}, result
+        for task in ("chief:0", "[worker:0] worker:0", "[ps:0] ps:0"):  # each task logged its intruders
+            assert f"{task} refused a connection" in text, (way, task, text[-3000:])
     assert not marker.exists()

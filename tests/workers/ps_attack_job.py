@@ -1,8 +1,10 @@
 """A parameter-server job that waits to be attacked, then trains (tests/test_security.py).
 
     python ps_attack_job.py DONE_FILE
+    python -m torch_distribute.ps.local_cluster --workers 1 --ps 1 ps_attack_job.py DONE_FILE
 
-Started with ``create_in_process_cluster`` (one worker, one ps). Prints ``CLUSTER {...}``
+Started with ``create_in_process_cluster`` (one worker, one ps), or as one task per process
+with a ``TF_CONFIG`` each (``local_cluster``). Prints ``CLUSTER {...}``
 (every task's address) once the strategy is made, waits for ``DONE_FILE`` to exist (the
 attacks are over), trains 20 steps on one worker, and prints ``RESULT {...}``.
 """
@@ -20,7 +22,12 @@ from torch import nn
 
 import torch_distribute as td
 
-resolver = td.ps.create_in_process_cluster(num_workers=1, num_ps=1)
+if "TF_CONFIG" in os.environ:
+    if td.distribute_server():
+        sys.exit(0)
+    resolver = td.cluster_resolver.TFConfigClusterResolver()
+else:
+    resolver = td.ps.create_in_process_cluster(num_workers=1, num_ps=1)
 strategy = td.ParameterServerStrategy(resolver, startup_timeout=120)
 coordinator = td.coordinator.ClusterCoordinator(strategy)
 torch.manual_seed(0)

@@ -121,7 +121,9 @@ class WorkerGroup:
         self._heartbeat_client: Any = None
         self._heartbeat = threading.Thread(target=self._beat, name="td-heartbeat", daemon=True)
         _backend(options.implementation, bool(gpus), None)  # what needs no other worker, first
-        self._secret = job_secret.required_secret(host, f"The job's rendezvous (worker {rank} of {world_size})")
+        # One worker alone: nobody to authenticate (and nothing to warn about).
+        self._secret = (job_secret.required_secret(host, f"The job's rendezvous (worker {rank} of {world_size})")
+                        if world_size > 1 else job_secret.job_secret())
         if dist.is_initialized():
             raise WorkerUnavailableError(
                 "torch.distributed is already initialized in this process; create the "

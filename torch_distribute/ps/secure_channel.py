@@ -180,6 +180,7 @@ class ChannelServer:
             sock.settimeout(_HANDSHAKE_S)
             session = _server_handshake(sock, self._secret)
             sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, ConnectionError, JobAuthenticationError) as error:
             logger.warning("%s refused a connection from %s: %s.", self.name, peer, error)
             sock.close()

@@ -75,6 +75,7 @@ class _Node:
         self.server: ChannelServer | None = None
         self.num_threads = num_threads
         self.clients: dict[str, ChannelClient] = {}
+        self.connecting: dict[str, threading.Lock] = {}
         self.members: dict[str, str] = {}
         self.incarnations: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -84,21 +85,28 @@ class _Node:
                                     num_threads=self.num_threads)
 
     def client(self, name: str, timeout: float) -> ChannelClient:
+        """The open connection to task ``name``, made (one at a time per peer) if needed."""
         with self.lock:
             existing = self.clients.get(name)
+            connecting = self.connecting.setdefault(name, threading.Lock())
         if existing is not None and existing.alive:
             return existing
-        key = ":".join(name.split(":")[:2])
-        address = self.addresses.get(key)
-        if address is None:
-            raise ConnectionError(f"unknown task {name!r} (not in the cluster)")
-        made = ChannelClient(address, self.secret, name=self.name,
-                             connect_timeout=timeout if timeout > 0 else 30.0)
-        with self.lock:
-            old, self.clients[name] = self.clients.get(name), made
-        if old is not None:
-            old.close()
-        return made
+        with connecting:
+            with self.lock:
+                existing = self.clients.get(name)
+            if existing is not None and existing.alive:
+                return existing
+            key = ":".join(name.split(":")[:2])
+            address = self.addresses.get(key)
+            if address is None:
+                raise ConnectionError(f"unknown task {name!r} (not in the cluster)")
+            made = ChannelClient(address, self.secret, name=self.name,
+                                 connect_timeout=timeout if timeout > 0 else 30.0)
+            with self.lock:
+                self.clients[name] = made
+            if existing is not None:
+                existing.close()
+            return made
 
     def close(self) -> None:
         with self.lock:
