@@ -31,10 +31,6 @@ ALLOWED = {
     ("checkpoint/object_graph.py", "_metadata"),  # torch's state-dict version metadata
     ("cluster/cluster_spec.py", "_jobs"),  # ClusterSpec comparing with another ClusterSpec
     ("keras/losses.py", "_Loss"),  # torch.nn.modules.loss._Loss, the base of torch's losses
-    ("ps/transport.py", "_update_group_membership"),  # torch.distributed.rpc internals
-    ("ps/transport.py", "_init_rpc_states"),
-    ("ps/transport.py", "_finalize_shutdown"),
-    ("ps/transport.py", "_tensorpipe_construct_rpc_backend_options_handler"),
     ("nest.py", "_fields"),  # namedtuple's public protocol
     ("ps/pickling.py", "_fields"),
     ("checkpoint/object_graph.py", "_fields"),

@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -180,6 +181,10 @@ class Job:
         self.logs: dict[str, Path] = {}
         self.exited_at: dict[str, float] = {}
         self.cut_at: float | None = None
+        # A job across hosts needs a secret: one owner-only file, shared by both hosts.
+        secret_file = log_dir / "job-secret"
+        secret_file.write_text(secrets.token_hex(32))
+        secret_file.chmod(0o600)
         for host, (_, _, node_rank) in HOSTS.items():
             command = ["ip", "netns", "exec", namespaces[host], sys.executable, "-u",
                        "-m", "torch_distribute.launch", "--nnodes", "2", "--node-rank", str(node_rank),
@@ -189,7 +194,7 @@ class Job:
             with open(log, "w") as out:
                 # `ip netns exec` execs the launcher: the Popen is the launcher itself.
                 self.procs[host] = subprocess.Popen(
-                    command, env=P.clean_env(), cwd=REPO,
+                    command, env=P.clean_env(TD_JOB_SECRET_FILE=str(secret_file)), cwd=REPO,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
             self.logs[host] = log

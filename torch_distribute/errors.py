@@ -97,3 +97,8 @@ class ClosureCancelledError(DistributeError, RuntimeError):
 
 class OutOfRangeError(DistributeError, RuntimeError):
     """A per-worker iterator ran out of data inside a scheduled function."""
+
+
+class JobAuthenticationError(DistributeError, PermissionError):
+    """A process did not prove the job secret (``TD_JOB_SECRET``): it is refused, not joined.
+    Give every process of the job the same secret (docs/security.md)."""

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from torch_distribute.checkpoint.file_io import (
@@ -52,6 +52,7 @@ from torch_distribute.checkpoint.file_io import (
     save_file,
     temporary_directory_name,
 )
+from torch_distribute.checkpoint.restricted_pickle import load_metadata
 from torch_distribute.errors import CheckpointError
 
 __all__ = ["CHECKSUMS_KEY", "check_sharded", "convert_to_file", "read_sharded", "split_tensors", "write_sharded"]
@@ -211,7 +212,12 @@ class _RecordingWriter(dcp.FileSystemWriter):
 
 
 class _VerifyingReader(dcp.FileSystemReader):
-    """DCP's file reader, checking each file it is about to read against its checksum."""
+    """DCP's file reader, checking each file it is about to read against its checksum, and
+    reading ``.metadata`` with an allowlist (DCP's own reader unpickles whatever it names).
+
+    The metadata is read once, after its checksum is checked; DCP's later ``read_metadata``
+    calls get that same object, so the file is never unpickled unchecked.
+    """
 
     def __init__(self, path: str, checksums: dict[str, Any] | None):
         super().__init__(path)
@@ -219,6 +225,23 @@ class _VerifyingReader(dcp.FileSystemReader):
         self.checksums = checksums
         self.verified: set[str] = set()
         self.failure: CheckpointError | None = None
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata is None:
+            _verify_member(self.directory, DCP_METADATA, self.checksums, full=True)
+            name = os.path.join(self.directory, DCP_METADATA)
+            with open(name, "rb") as file:
+                metadata = load_metadata(file, name)
+            if not isinstance(metadata, Metadata):
+                raise CheckpointError(
+                    f"Checkpoint file {name!r} holds a {type(metadata).__name__}, not "
+                    "torch.distributed.checkpoint metadata; restore the checkpoint from a copy you trust.")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._metadata = metadata
+        return self._metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
@@ -262,7 +285,16 @@ def _load_layout(path: str) -> tuple[Any, dict[str, Any] | None]:
     """(the layout of the sharded checkpoint ``path``, its shard checksums or ``None``)."""
     layout_path = os.path.join(path, LAYOUT_FILENAME)
     check_file(layout_path, full=True)
-    layout = torch.load(layout_path, map_location="cpu", weights_only=True)
+    try:
+        layout = torch.load(layout_path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()
+        detail = next((line for line in reason if "WeightsUnpickler error" in line), reason[0] if reason else "")
+        raise CheckpointError(
+            f"Checkpoint file {layout_path!r} could not be loaded safely (weights_only=True): "
+            f"{type(exc).__name__}: {detail}. It holds values other than tensors and plain Python "
+            "values: it was not written by torch-distribute (or was tampered with); nothing in it ran."
+        ) from exc
     checksums = layout.pop(CHECKSUMS_KEY, None) if isinstance(layout, dict) else None
     return layout, checksums
 
@@ -323,9 +355,8 @@ def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
     DTensor like it. Every other tensor is read whole, on the CPU.
     """
     layout, checksums = _load_layout(path)
-    _verify_member(path, DCP_METADATA, checksums, full=True)  # before unpickling it
     reader = _VerifyingReader(path, checksums)
-    metadata = reader.read_metadata()
+    metadata = reader.read_metadata()  # checksum first, then an allowlist: nothing in it runs
     flat: dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):

@@ -12,6 +12,11 @@ Environment of local worker ``i`` (``--env torchrun``, the default)::
     GROUP_RANK = node_rank           GROUP_WORLD_SIZE = nnodes
     MASTER_ADDR, MASTER_PORT         TD_RESTART_COUNT, TD_MAX_RESTARTS
     PYTHONUNBUFFERED = 1             OMP_NUM_THREADS = 1 (only if unset and nproc > 1)
+    TD_JOB_SECRET, TD_JOB_ID         (one node, unless TD_JOB_SECRET[_FILE] is set: fresh each attempt)
+
+A job across nodes needs the user's job secret (``TD_JOB_SECRET_FILE`` or ``TD_JOB_SECRET``,
+the same on every node; see docs/security.md): ``validate`` refuses to start one without
+it unless ``TD_INSECURE=1``.
 
 With ``--env tf_config`` (one node only) the torchrun variables are replaced by
 ``TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker",
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -38,6 +44,7 @@ from dataclasses import dataclass, field
 
 from torch_distribute.cluster.cluster_spec import split_address
 from torch_distribute.cluster.supervisor import TaskSpec
+from torch_distribute.collectives import job_secret
 from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
 
 __all__ = [
@@ -258,6 +265,15 @@ class LaunchSpec:
         """Raise ``InvalidArgumentError`` for a bad argument, before any process starts."""
         validate_launch_args(self.argv, self.nproc, self.nnodes, self.node_rank, self.master,
                              self.max_restarts, self.env_mode, self.grace_period, self.timeout)
+        environ = {**os.environ, **{k: str(v) for k, v in self.extra_env.items()}}
+        try:
+            if self.nnodes > 1:
+                job_secret.required_secret(parse_master(self.master or "")[0],
+                                           f"A job of {self.nnodes} nodes", environ)
+            else:
+                job_secret.job_secret(environ)  # a secret file others may read is refused now
+        except ClusterConfigError as error:
+            raise InvalidArgumentError(str(error)) from None
 
     def tasks(self, attempt: int) -> list[TaskSpec]:
         """Every local worker of attempt ``attempt`` (0 first), with fresh ports."""
@@ -272,6 +288,10 @@ class LaunchSpec:
             max_restarts=self.max_restarts,
         )
         extra = {k: str(v) for k, v in self.extra_env.items()}
+        if self.nnodes == 1 and job_secret.job_secret({**base, **extra}) is None:
+            # The workers of one node share a fresh secret and job id per attempt.
+            base = {**base, job_secret.ENV_SECRET: job_secret.new_secret(),
+                    "TD_JOB_ID": secrets.token_hex(8)}
         command = [sys.executable, "-u", *self.argv]
         tasks = []
         for local_rank, variables in enumerate(per_worker):

@@ -45,6 +45,8 @@ from torch_distribute.collectives import (
     exchange,
     failure_record,
     fingerprint,
+    job_auth,
+    job_secret,
     network,
     rendezvous_views,
     store_sockets,
@@ -58,6 +60,7 @@ from torch_distribute.collectives.store_connect import connect_store
 from torch_distribute.errors import (
     ClusterConfigError,
     InvalidArgumentError,
+    JobAuthenticationError,
     PeerProgramError,
     ReplicaMismatchError,
     WorkerUnavailableError,
@@ -158,6 +161,9 @@ class WorkerGroup:
     def _start(self, gpus: Sequence[str]) -> None:
         """Rendezvous at the chief's store, then make the process group and ours."""
         options, rank, world_size, host = self.options, self.rank, self.world_size, self.host
+        # One worker alone: nobody to authenticate (and nothing to warn about).
+        self._secret = (job_secret.required_secret(host, f"The job's rendezvous (worker {rank} of {world_size})")
+                        if world_size > 1 else job_secret.job_secret())
         _remember_store(host, self.port)
         self.store = self._rendezvous()
         # Heartbeats from here on: a worker that dies during the rest of the start-up is named.
@@ -191,11 +197,13 @@ class WorkerGroup:
         if chief:
             self.port = 0  # a free port: the existing group's store may hold the cluster's port
             self.store = self._connect_store(hosts_store=True)
-        self.host, self.port = self._adoption_step("the address of the chief's store", self._share_store_address)
+        self.host, self.port, self._secret = self._adoption_step(
+            "the address of the chief's store", self._share_store_address)
         _remember_store(self.host, self.port)
         if not chief:
             self.store = self._connect_store(hosts_store=False)
         self._meet(self.store, hosts_store=chief)
+        self._authenticate(self.store)
         self._heartbeat.start()
         try:
             self.gradient_group = self._start_up_step(
@@ -220,15 +228,18 @@ class WorkerGroup:
                 f"{self.options.timeout:.0f} s (CommunicationOptions(timeout_seconds=...))."
             ) from error
 
-    def _share_store_address(self) -> tuple[str, int]:
-        """The chief's ``(host, port)`` of its store, broadcast over our group."""
-        payload = torch.zeros(512, dtype=torch.uint8)
+    def _share_store_address(self) -> tuple[str, int, bytes]:
+        """The chief's ``(host, port)`` of its store and the secret its workers prove there (the
+        job's, else a fresh one), broadcast over our group: the adopted group's processes are
+        the job, so no secret need be configured for them."""
+        payload = torch.zeros(4096, dtype=torch.uint8)
         if self.rank == 0:
-            text = json.dumps([self.host, self.port]).encode()
+            secret = job_secret.job_secret() or job_secret.new_secret().encode()
+            text = json.dumps([self.host, self.port, secret.hex()]).encode()
             payload[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=self._main_group)
-        host, port = json.loads(bytes(payload.tolist()).rstrip(b"\0"))
-        return str(host), int(port)
+        host, port, secret_hex = json.loads(bytes(payload.tolist()).rstrip(b"\0"))
+        return str(host), int(port), bytes.fromhex(secret_hex)
 
     def _start_up_step(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()``, given ``timeout_seconds`` plus a heartbeat interval: a chief that stops
@@ -267,20 +278,42 @@ class WorkerGroup:
         hosts_store = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         store = self._connect_store(hosts_store)
         self._meet(store, hosts_store)
+        self._authenticate(store)
         return store
+
+    def _authenticate(self, store: dist.TCPStore) -> None:
+        """Every worker proves the job secret before its rank is accepted (job_auth.py)."""
+        timeout = self.options.timeout
+        try:
+            self._within(lambda: job_auth.authenticate(store, self.rank, self.world_size, self._secret,
+                                                       f"{self.host}:{self.port}", timeout),
+                         timeout + self._store_deadline)
+        except JobAuthenticationError:
+            raise
+        except Exception as error:  # noqa: BLE001 - rewrapped with what to check
+            raise WorkerUnavailableError(
+                f"Worker {self.rank} could not finish proving the job secret at {self.host}:{self.port} "
+                f"within {timeout:.0f} s ({error}): a worker or the chief stopped during the rendezvous. "
+                "Restart the job."
+            ) from error
 
     def _connect_store(self, hosts_store: bool) -> dist.TCPStore:
         """Host the store (the chief), or connect to it, retried within the whole timeout."""
         timeout = self.options.timeout
         try:
             if hosts_store:
-                store = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
-                                      timeout=self._timeout, wait_for_workers=False)
-                self.port = store.port  # port 0 (a single local worker) picks a free one
+                # Bound to the address the job meets at (loopback for a local job), not every interface.
+                listener = job_auth.listening_socket(self.host, self.port)
+                raw = dist.TCPStore(self.host, self.port, self.world_size, is_master=True,
+                                    timeout=self._timeout, wait_for_workers=False,
+                                    master_listen_fd=listener.detach() if listener is not None else None)
+                self.port = raw.port  # port 0 (a single local worker) picks a free one
+                store = job_auth.namespaced(raw)
             else:
                 # A stopped chief accepts the connection and never answers: bounded here too.
-                store = self._within(lambda: connect_store(self.host, self.port, self.world_size, timeout),
-                                     timeout + self._store_deadline)
+                store = job_auth.namespaced(self._within(
+                    lambda: connect_store(self.host, self.port, self.world_size, timeout),
+                    timeout + self._store_deadline))
                 store.set_timeout(self._timeout)
         except Exception as error:  # noqa: BLE001 - rewrapped with what to check
             raise WorkerUnavailableError(
@@ -350,7 +383,8 @@ class WorkerGroup:
         try:
             # Retried like the main connection (a lost connection attempt must not silence it),
             # within the time _stop_heartbeat waits for this thread.
-            client = connect_store(self.host, self.port, self.world_size, self._heartbeat_interval * 2 + 1)
+            client = job_auth.namespaced(connect_store(
+                self.host, self.port, self.world_size, self._heartbeat_interval * 2 + 1))
         except Exception:  # noqa: BLE001 - no heartbeat is reported as "not answering"
             return
         self._heartbeat_client = client
@@ -471,8 +505,9 @@ class WorkerGroup:
 
         def probe_store() -> None:
             try:
-                probe = dist.TCPStore(self.host, self.port, self.world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=self._store_deadline))
+                probe = job_auth.namespaced(dist.TCPStore(
+                    self.host, self.port, self.world_size, is_master=False,
+                    timeout=datetime.timedelta(seconds=self._store_deadline)))
                 deadline = time.time() + 3 * self._heartbeat_interval
                 while True:
                     left = {r: probe.get(f"{_LEFT_PREFIX}{r}").decode()

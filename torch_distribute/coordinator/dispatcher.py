@@ -14,8 +14,6 @@ import threading
 import time
 from typing import Any
 
-from torch.distributed import rpc
-
 from torch_distribute.coordinator.closure_queue import Closure, ClosureQueue
 from torch_distribute.errors import DistributeError, ParameterServerUnavailableError
 from torch_distribute.ps import transport, worker
@@ -114,7 +112,7 @@ class WorkerDispatcher:
     def _call(self, name: str, closure: Closure) -> tuple[Any, ...]:
         done = threading.Event()
         try:
-            future = rpc.rpc_async(name, worker.run_closure, args=(closure.payload,), timeout=0)
+            future = transport.call_async(name, worker.run_closure, (closure.payload,), timeout=0)
         except Exception as error:
             raise _WorkerLost(str(error).splitlines()[0] if str(error) else repr(error)) from error
         future.add_done_callback(lambda _f: done.set())

@@ -25,7 +25,7 @@ from torch import nn
 
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.partitioners import shard_offsets
-from torch_distribute.ps import client, hooks, pickling
+from torch_distribute.ps import client, hooks, pickling, transport
 from torch_distribute.ps.variables import ShardSpec, VarSpec
 
 
@@ -333,3 +333,6 @@ def describe(key: tuple[Any, ...], worker_index: int) -> tuple[Any, ...]:
     if _registry is None:
         raise RuntimeError("this task is not the coordinator of a ParameterServerStrategy")
     return _registry.describe(key, worker_index)
+
+
+transport.entry_points(describe)

@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed import rpc
 
 from torch_distribute.errors import ParameterServerUnavailableError
-from torch_distribute.ps import variables
+from torch_distribute.ps import transport, variables
 from torch_distribute.ps.variables import ShardSpec, VarSpec
 
 
@@ -37,7 +36,7 @@ def call_all(calls: dict[int, tuple[Callable[..., Any], tuple]], timeout: float)
     futures = {}
     for index, (fn, args) in calls.items():
         try:
-            futures[index] = rpc.rpc_async(ps_name(index), fn, args=args, timeout=timeout)
+            futures[index] = transport.call_async(ps_name(index), fn, args, timeout)
         except Exception as error:  # unknown name: the server never joined or was forgotten
             raise ParameterServerCallError(index, str(error)) from error
     results = {}

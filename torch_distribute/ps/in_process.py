@@ -30,6 +30,7 @@ from typing import IO
 from torch_distribute.cluster import SimpleClusterResolver
 from torch_distribute.cluster.launch_spec import free_ports
 from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
+from torch_distribute.collectives import job_secret
 from torch_distribute.errors import InvalidArgumentError
 
 __all__ = ["InProcessCluster", "create_in_process_cluster"]
@@ -95,7 +96,8 @@ def create_in_process_cluster(
     """Start ``num_workers`` workers and ``num_ps`` parameter servers as children of this
     process (the coordinator); return the resolver for ``td.ParameterServerStrategy``.
 
-    The children serve on loopback and run no user code but the functions scheduled on them
+    The job gets a secret (``TD_JOB_SECRET``, unless this process has one already), set in
+    this process's environment and the children's. The children serve on loopback and run no user code but the functions scheduled on them
     (sent by value); they use this process's ``sys.path`` to import modules by name. They end
     with this process however it ends. Their output lines go to ``output`` (default: this
     process's stderr) prefixed ``[worker:0] ``, ``[ps:0] ``.
@@ -120,6 +122,10 @@ def create_in_process_cluster(
     ports = free_ports(1 + num_workers + num_ps)
     addresses = [f"127.0.0.1:{p}" for p in ports]
     cluster = {"chief": addresses[:1], "worker": addresses[1:1 + num_workers], "ps": addresses[1 + num_workers:]}
+    # The job's secret (docs/security.md): the user's, or a fresh one, which this process (the
+    # coordinator) keeps in its own environment for the strategy it creates next.
+    if job_secret.job_secret() is None:
+        os.environ[job_secret.ENV_SECRET] = job_secret.new_secret()
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     base.setdefault("OMP_NUM_THREADS", "1")
     base["PYTHONPATH"] = _child_path()

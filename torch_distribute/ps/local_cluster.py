@@ -21,6 +21,7 @@ from typing import IO
 
 from torch_distribute.cluster.launch_spec import free_ports
 from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
+from torch_distribute.collectives import job_secret
 from torch_distribute.errors import InvalidArgumentError
 
 __all__ = ["cluster_config", "main", "run_local_cluster"]
@@ -55,13 +56,16 @@ def run_local_cluster(
 ) -> int:
     """Start every task of ``argv`` (``["train.py", ...]``); return the chief's exit code.
 
-    Both stdout and stderr of every task go to ``stdout`` (default ``sys.stdout``).
+    Both stdout and stderr of every task go to ``stdout`` (default ``sys.stdout``). The
+    tasks share a fresh job secret (``TD_JOB_SECRET``) unless one is set already.
     ``timeout`` (seconds) stops everything and returns 124 when it passes.
     """
     stream = stdout if stdout is not None else sys.stdout
     cluster = cluster_config(num_workers, num_ps)
     base = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     base.setdefault("OMP_NUM_THREADS", "1")
+    if job_secret.job_secret(base) is None:  # every task of the job shares a fresh secret
+        base[job_secret.ENV_SECRET] = job_secret.new_secret()
     command = [sys.executable, "-u", *argv]
 
     def task(job: str, index: int) -> TaskSpec:

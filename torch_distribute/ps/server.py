@@ -24,7 +24,11 @@ import threading
 import time
 
 from torch_distribute.cluster import ClusterResolver, resolve_cluster, split_address
-from torch_distribute.errors import ClusterConfigError, WorkerUnavailableError
+from torch_distribute.errors import (
+    ClusterConfigError,
+    JobAuthenticationError,
+    WorkerUnavailableError,
+)
 from torch_distribute.ps import transport, worker
 
 __all__ = ["EXIT_CHIEF_LOST", "distribute_server"]
@@ -43,6 +47,16 @@ def stop_server() -> bool:
     """RPC target: the coordinator is done; leave the serving loop."""
     _stop.set()
     return True
+
+
+transport.entry_points(stop_server)
+
+
+def task_addresses(resolver: ClusterResolver) -> dict[str, tuple[str, int]]:
+    """``{"worker:0": (host, port), ...}``: where every task of the cluster serves."""
+    spec = resolver.cluster_spec()
+    return {transport.task_key(job, index): split_address(spec.task_address(job, index), what=f"{job} address")
+            for job in spec.jobs for index in spec.task_indices(job)}
 
 
 def chief_address(resolver: ClusterResolver) -> tuple[str, int]:
@@ -91,9 +105,14 @@ def distribute_server(
     if not spec or task_type not in ("worker", "ps"):
         return False
     address = chief_address(resolver)
+    # The first optimizer a task makes imports torch._dynamo (seconds; more on a loaded
+    # machine): done before joining, so that no call of the coordinator's waits for it.
+    import torch._dynamo  # noqa: F401
     try:
         membership = transport.join(task_type, task_id, address, rpc_timeout=rpc_timeout,
-                                    startup_timeout=startup_timeout)
+                                    startup_timeout=startup_timeout, addresses=task_addresses(resolver))
+    except (ClusterConfigError, JobAuthenticationError):
+        raise
     except Exception as error:
         raise WorkerUnavailableError(
             f"{task_type} {task_id} could not join the coordinator at {address[0]}:{address[1]} "

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from torch_distribute.ps import transport
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -159,3 +161,7 @@ def clear() -> None:
     """Forget every shard (tests)."""
     with _registry_lock:
         _SHARDS.clear()
+
+
+transport.entry_points(create, assign, read, add, set_optimizer, set_hyperparameters, apply_gradients,
+                       optimizer_state, load_optimizer_state)

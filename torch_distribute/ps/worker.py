@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed import rpc
 
 from torch_distribute.errors import OutOfRangeError
 from torch_distribute.input import InputContext
-from torch_distribute.ps import chief, client, hooks, pickling
+from torch_distribute.ps import chief, client, hooks, pickling, transport
 from torch_distribute.ps.transport import CHIEF
 from torch_distribute.ps.variables import VarSpec
 
@@ -97,7 +96,7 @@ class WorkerRuntime:
 
     # -- references ------------------------------------------------------------------------
     def _describe(self, key: tuple[Any, ...]) -> tuple[Any, ...]:
-        return rpc.rpc_sync(CHIEF, chief.describe, args=(key, self.worker_index), timeout=self.timeout)
+        return transport.call_sync(CHIEF, chief.describe, (key, self.worker_index), timeout=self.timeout)
 
     def resolve(self, ref: tuple[Any, ...]) -> Any:
         kind = ref[0]
@@ -244,3 +243,6 @@ def run_closure(payload: bytes) -> tuple[Any, ...]:
     if _runtime is None:
         return ("error", None, "RuntimeError: this task is not a worker", "")
     return _runtime.run(payload)
+
+
+transport.entry_points(run_closure)

@@ -3,7 +3,9 @@
 The cluster (``TF_CONFIG`` or a resolver) has one ``chief`` (the coordinator: it runs the
 user's program), ``worker`` tasks and ``ps`` tasks; workers and parameter servers run
 ``td.distribute_server()``. The strategy is created on the chief only. Everything travels
-over ``torch.distributed.rpc`` (TensorPipe); the chief hosts the group's store.
+over authenticated channels between the tasks (``ps/transport.py``: the job secret proved on
+every connection, a MAC on every message, only the library's entry points callable); the
+chief keeps the membership.
 
 - Parameters and buffers made in ``scope()`` live on the parameter servers, round-robin,
   split along dim 0 by ``variable_partitioner`` (``td.partitioners``); the initial values
@@ -80,7 +82,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
         self._on_shutdown: list[Callable[[], None]] = []
         address = server.chief_address(resolver)
         self.membership = transport.join("chief", 0, address, rpc_timeout=rpc_timeout,
-                                         startup_timeout=startup_timeout)
+                                         startup_timeout=startup_timeout,
+                                         addresses=server.task_addresses(resolver))
         chief.install(self.registry)
         atexit.register(self.shutdown)
         missing = self._wait_for_parameter_servers()
@@ -195,7 +198,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
         futures = []
         for name in filter(None, names):
             with contextlib.suppress(Exception):
-                futures.append(torch.distributed.rpc.rpc_async(name, server.stop_server, timeout=5.0))
+                futures.append(transport.call_async(name, server.stop_server, timeout=5.0))
         for future in futures:
             with contextlib.suppress(Exception):
                 future.wait()
