@@ -54,7 +54,8 @@ def _others(environ: Mapping[str, str]) -> list[_Claim]:
     mpi = mpi_rank_and_size(environ)
     if mpi is not None:
         family, rank, size = mpi
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE") if family == "Open MPI" else ("PMI_RANK", "PMI_SIZE")
+        names: tuple[str, ...] = (
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE") if family == "Open MPI" else ("PMI_RANK", "PMI_SIZE"))
         claims.append(_Claim(f"{family}'s ranks", seen_variables(environ, names), size, rank))
     if in_srun_step(environ):
         tasks = first_env(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")

@@ -79,7 +79,7 @@ def conflicts(views: Sequence[dict[str, Any]]) -> list[str]:
             found.append(f"{words}: " + ", ".join(
                 f"{view.get(key)} (worker {view.get('rank')})" for view in views))
     ranks = [view.get("rank") for view in views]
-    for rank in sorted({r for r in ranks if ranks.count(r) > 1}):
+    for rank in sorted({r for r in ranks if isinstance(r, int) and ranks.count(r) > 1}):
         found.append(f"index: {ranks.count(rank)} workers say they are worker {rank}")
     return found
 

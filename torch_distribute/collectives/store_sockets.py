@@ -25,7 +25,7 @@ _TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 def addresses_of(host: str) -> list[str]:
     """The IP addresses ``host`` resolves to (itself if it is one); empty if it does not."""
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
     except (OSError, UnicodeError):
         return []
 

@@ -76,7 +76,7 @@ def register_serializable(package: str = "Custom", name: str | None = None) -> C
             raise InvalidArgumentError(
                 f"register_serializable decorates classes and functions, got {type(obj).__name__}.")
         _REGISTERED[object_path(obj)] = obj
-        _REGISTERED[f"{package}>{name or obj.__name__}"] = obj
+        _REGISTERED[f"{package}>{name or obj.__qualname__.rsplit('.', 1)[-1]}"] = obj
         return obj
 
     return decorator

@@ -108,7 +108,7 @@ def _module_class(value: Any) -> type:
 
 def _takes_only_a_name(cls: type) -> bool:
     """Whether ``cls(name=...)`` rebuilds an instance (a metric with no other argument)."""
-    parameters = inspect.signature(cls.__init__).parameters
+    parameters = inspect.signature(cls).parameters
     return set(parameters) - {"self"} <= {"name", "dtype"} and "name" in parameters
 
 
@@ -175,7 +175,7 @@ def named_paths(record: Any) -> list[str]:
             for item in value:
                 walk(item)
         elif isinstance(value, dict):
-            key = _NAMING_KEY.get(value.get(_TAG))
+            key = _NAMING_KEY.get(str(value.get(_TAG)))
             if key is not None:
                 found.append(value[key])
             for item in value.values():
@@ -260,7 +260,7 @@ def build_optimizer(record: dict[str, Any], named_parameters: Iterable[tuple[str
     missing = [n for group in record["groups"] for n in group["params"] if n not in params]
     if missing:
         raise InvalidArgumentError(f"The saved optimizer holds parameters the model lacks: {missing[:5]}.")
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     defaults = {k: v for k, v in decode(record["defaults"], resolver).items() if k in accepted}
     groups = [{**decode({k: v for k, v in group.items() if k != "params"}, resolver),
                "params": [params[n] for n in group["params"]]} for group in record["groups"]]
