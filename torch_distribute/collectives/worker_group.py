@@ -793,9 +793,9 @@ class WorkerGroup:
         apply_packed_(tensors, lambda flat: self.all_reduce_(flat, what=what).div_(self.world_size))
 
     def all_reduce_async(self, tensor: torch.Tensor) -> Any:
-        _log.debug("gradient bucket all-reduce (%d values) on the gradient group", tensor.numel())
         """Start a SUM of ``tensor`` over the workers on the gradient group (never interleaved
         with other collectives); finish it with ``wait(what, handle)``."""
+        _log.debug("gradient bucket all-reduce (%d values) on the gradient group", tensor.numel())
         return dist.all_reduce(tensor, group=self.gradient_group, async_op=True)
 
     def _comm_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
