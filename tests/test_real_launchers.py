@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -161,7 +162,12 @@ def slurm(tmp_path_factory):
 
 
 def test_slurm_srun_and_sbatch_without_srun(processes, reference, slurm, tmp_path):
-    env = P.clean_env()
+    # SLURM's rendezvous is the node's name, not loopback: the job needs its secret, as a user's
+    # batch script exports it (docs/security.md).
+    secret = tmp_path / "job_secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    env = P.clean_env(TD_JOB_SECRET_FILE=str(secret))
     srun = [tool("srun") or "srun", "-n", "2", "--time", "5", sys.executable, "-u", JOB, "--timeout", "60"]
     reports = H.parse_results(run_launcher(processes, srun, env, "srun"))
     check_reports(reports, reference)
