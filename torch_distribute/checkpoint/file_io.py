@@ -66,6 +66,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "looks_sharded",
     "load_payload",
+    "load_weights_only",
     "read_checksum",
     "remove_checkpoint",
     "remove_stale_temporaries",
@@ -418,17 +419,23 @@ def load_payload(path: str) -> dict[str, Any]:
     not a torch-distribute checkpoint, or has a newer format version.
     """
     check_file(path, full=True)
+    payload = load_weights_only(path, "The file is corrupt, or holds values other than tensors and plain "
+                                      "Python values (a state_dict() with functions or custom classes).")
+    return check_payload(path, payload)
+
+
+def load_weights_only(path: str, why_refused: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; a refusal is a ``CheckpointError``
+    naming the file and torch's reason, followed by ``why_refused``."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         reason = str(exc).strip().splitlines()
         detail = next((line for line in reason if "WeightsUnpickler error" in line), reason[0] if reason else "")
         raise CheckpointError(
             f"Checkpoint file {path!r} could not be loaded safely (weights_only=True): "
-            f"{type(exc).__name__}: {detail}. The file is corrupt, or holds values other than "
-            "tensors and plain Python values (a state_dict() with functions or custom classes)."
+            f"{type(exc).__name__}: {detail}. {why_refused}"
         ) from exc
-    return check_payload(path, payload)
 
 
 def check_payload(path: str, payload: Any) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from torch_distribute.checkpoint.file_io import (
     directory_of,
     file_fingerprint,
     is_sharded_checkpoint,
+    load_weights_only,
     remove_stale_temporaries,
     save_file,
     temporary_directory_name,
@@ -285,16 +286,9 @@ def _load_layout(path: str) -> tuple[Any, dict[str, Any] | None]:
     """(the layout of the sharded checkpoint ``path``, its shard checksums or ``None``)."""
     layout_path = os.path.join(path, LAYOUT_FILENAME)
     check_file(layout_path, full=True)
-    try:
-        layout = torch.load(layout_path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()
-        detail = next((line for line in reason if "WeightsUnpickler error" in line), reason[0] if reason else "")
-        raise CheckpointError(
-            f"Checkpoint file {layout_path!r} could not be loaded safely (weights_only=True): "
-            f"{type(exc).__name__}: {detail}. It holds values other than tensors and plain Python "
-            "values: it was not written by torch-distribute (or was tampered with); nothing in it ran."
-        ) from exc
+    layout = load_weights_only(layout_path, "It holds values other than tensors and plain Python values: it "
+                                            "was not written by torch-distribute (or was tampered with); "
+                                            "nothing in it ran.")
     checksums = layout.pop(CHECKSUMS_KEY, None) if isinstance(layout, dict) else None
     return layout, checksums
 
