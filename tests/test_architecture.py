@@ -37,7 +37,7 @@ ALLOWED = {
     ("checkpoint/sharded_io.py", "_metadata"),  # torch's state-dict version metadata
     ("checkpoint/sharded_io.py", "_fields"),  # namedtuple's public protocol
     ("eager.py", "_torchdynamo_disable"),  # the mark dynamo reads on disabled functions
-    ("collectives/worker_group.py", "_exit"),  # os._exit: leaving before a teardown that would abort
+    ("collectives/store_threads.py", "_exit"),  # os._exit: leaving before a teardown that would abort
     # Autograd nodes' saved values, torch's documented way to read a graph (``grad_fn._saved_*``).
     *(("strategies/loss_scaling.py", name) for name in (
         "_saved_dim", "_saved_self_sym_sizes", "_saved_self", "_saved_other", "_saved_reduction")),

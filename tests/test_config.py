@@ -10,7 +10,7 @@ import torch
 
 import torch_distribute as td
 from torch_distribute.collectives.communication import CommunicationImplementation
-from torch_distribute.collectives.worker_group import _backend
+from torch_distribute.collectives.group_rendezvous import _backend
 from torch_distribute.devices import LogicalDevice, share_a_gpu
 
 
