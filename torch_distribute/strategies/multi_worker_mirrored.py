@@ -36,6 +36,7 @@ from torch_distribute.strategies.across_workers import (
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
+from torch_distribute.strategies.replicated_state import MirroredTensor
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 
@@ -84,17 +85,16 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._group is not None:
             self._group.begin_run()
-        if self.num_local_replicas > 1:
-            result = super().call_for_each_replica(fn, args, kwargs)
-        else:
-            # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
-            self._global_grads.clear()
-            self._state.sync_stale()
-            result = call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
-            self._state.aggregate_buffers()
+        result = super().call_for_each_replica(fn, args, kwargs)
         for synchronizer in self._synchronizers.values():
             synchronizer.attach_hooks()
         return result
+
+    def _run_replicas(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.num_local_replicas > 1:
+            return super()._run_replicas(fn, args, kwargs)
+        # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
+        return call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
 
     # -- across workers (AcrossWorkers) -----------------------------------------------------
     @property
@@ -107,10 +107,10 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
     def _mean_over_workers(self, tensors: list[torch.Tensor]) -> None:
         self._group.average_packed_(tensors, what="buffer average")
 
-    # -- gradients -----------------------------------------------------------------------------
-    def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
+    # -- gradients (the mirrored family's hooks) ------------------------------------------------
+    def _reduce_gradients(self, optimizer: torch.optim.Optimizer, records: list[MirroredTensor]) -> None:
         if self._group is None:
-            super()._sum_gradients(optimizer, records)
+            super()._reduce_gradients(optimizer, records)
             return
         synchronizer = self._synchronizers.get(optimizer)
         if synchronizer is None:
@@ -126,12 +126,12 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             return [local]
         return self._group.all_gather_objects(local, what="non-finite gradient report")
 
-    def _after_step(self, records: list[Any]) -> None:
+    def _after_optimizer_step(self, records: list[MirroredTensor]) -> None:
         # Worker 0 keeps the summed gradient; the others drop it, so gradients accumulated
         # over several steps without zero_grad are still summed once.
         if self._group is not None and self._worker_index != 0:
             for record in records:
-                record.primary.grad = None
+                record.live_primary().grad = None
 
 
 class MultiWorkerMirroredStrategy(Strategy):
