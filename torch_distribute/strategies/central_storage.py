@@ -59,7 +59,14 @@ class CentralState(ReplicatedState):
 
 
 class CentralStorageExtended(MirroredExtended):
-    """Mirrored replicas whose parameters have one central home on ``parameter_device``."""
+    """Mirrored replicas whose parameters have one central home on ``parameter_device``:
+    its copies are a ``CentralState`` and ``update`` changes the central value.
+
+    >>> import torch_distribute as td
+    >>> extended = td.CentralStorageStrategy(["cpu:0", "cpu:1"]).extended
+    >>> [d.name for d in extended.parameter_devices], extended.intercepts_optimizer_steps
+    (['cpu:0'], True)
+    """
 
     def __init__(self, strategy: Strategy, compute_devices: tuple[LogicalDevice, ...], parameter_device: LogicalDevice):
         self._parameter_device = parameter_device  # read by _new_state, called by super().__init__
@@ -98,7 +105,7 @@ class CentralStorageStrategy(Strategy):
     >>> import torch, torch_distribute as td
     >>> strategy = td.CentralStorageStrategy(["cpu:0", "cpu:1"])
     >>> strategy.extended.parameter_devices
-    (LogicalDevice(kind='cpu', index=0),)
+    (LogicalDevice(kind='cpu', index=0, physical_index=None),)
     >>> with strategy.scope():
     ...     layer = torch.nn.Linear(2, 1)
     ...     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)

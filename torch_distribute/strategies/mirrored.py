@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torch_distribute import context
 from torch_distribute.collectives import CrossDeviceOps
@@ -100,7 +101,9 @@ class MirroredExtended(ReplicatedExtended):
             MirroredReplicaContext(self._strategy, self.replica_id_offset + k, threads)
             for k in range(self.num_local_replicas)
         ]
-        modes = [ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)]
+        modes: list[TorchFunctionMode] = [
+            ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)
+        ]
         return threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes)
 
     # -- optimizers ------------------------------------------------------------------------
@@ -238,11 +241,12 @@ class MirroredExtended(ReplicatedExtended):
         packing and unpacking: one fused ``_foreach_add_`` per replica.
         """
         with torch.no_grad():
-            primaries = [r.live_primary() for r in records]
-            for primary in primaries:
+            targets: list[torch.Tensor] = []
+            for record in records:
+                primary = record.live_primary()
                 if primary.grad is None:
                     primary.grad = torch.zeros_like(primary)
-            targets = [p.grad for p in primaries]
+                targets.append(primary.grad)
             for k in self._state.replicas_on_copies:
                 pairs = [(t, g) for t, r in zip(targets, records, strict=True)
                          if (g := r.current_copies()[k].grad) is not None]

@@ -9,7 +9,6 @@ backward runs (local replicas summed first, then one all-reduce per bucket), and
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,15 +22,14 @@ from torch_distribute.devices import (
     DeviceLike,
     LogicalDevice,
     canonicalize_all,
-    gpu_identity,
-    local_devices,
 )
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
-    peer_addresses,
-    strategy_cluster,
+    default_worker_devices,
+    open_worker_group,
+    worker_job,
 )
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
@@ -41,6 +39,16 @@ from torch_distribute.strategies.single_replica import call_on_this_thread
 
 
 class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
+    """The mirrored family across worker processes, through the family's hooks: one local
+    replica runs in the calling thread (``_run_replicas``), gradients are summed over the
+    workers in buckets (``_reduce_gradients``), only worker 0 keeps the sum after the step
+    (``_after_optimizer_step``), non-finite reports are gathered from every worker.
+
+    >>> import torch_distribute as td
+    >>> td.MultiWorkerMirroredStrategy().extended.worker_group is None   # one local worker
+    True
+    """
+
     def __init__(
         self,
         strategy: Strategy,
@@ -51,20 +59,13 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         super().__init__(strategy, devices, None)
         self._resolver = resolver
         self._options = options
-        self._num_workers = resolver.num_workers
-        self._worker_index = resolver.worker_index
-        self._is_chief = resolver.is_chief
+        self._take_place(resolver)
         self._group: WorkerGroup | None = None
         self._synchronizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, GradientSynchronizer] = (
             weakref.WeakKeyDictionary()
         )
         if self._num_workers > 1:
-            host, port = resolver.rendezvous_address()
-            self._group = WorkerGroup(
-                host, port, self._num_workers, self._worker_index, options,
-                gpus=sorted({gpu_identity(d) for d in devices if d.is_cuda}),
-                strategy=type(strategy).__name__, peer_addresses=peer_addresses(resolver),
-            )
+            self._group = open_worker_group(resolver, options, devices, type(strategy).__name__)
             counts = self._group.all_gather_objects(len(devices), what="start-up check")
             if len(set(counts)) != 1:
                 self._group.close()
@@ -157,12 +158,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         devices: Sequence[DeviceLike] | None = None,
     ):
-        resolver = strategy_cluster(cluster_resolver)
-        options = communication_options or CommunicationOptions()
-        if not isinstance(options, CommunicationOptions):
-            raise InvalidArgumentError(
-                f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
-            )
+        resolver, options = worker_job(cluster_resolver, communication_options)
         parsed = canonicalize_all(devices) if devices is not None else default_worker_devices(resolver)
         self._cluster_resolver = resolver
         super().__init__(MultiWorkerMirroredExtended(self, parsed, resolver, options))
@@ -170,13 +166,3 @@ class MultiWorkerMirroredStrategy(Strategy):
     @property
     def cluster_resolver(self) -> ClusterResolver:
         return self._cluster_resolver
-
-
-def default_worker_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
-    """All visible GPUs, or this process's GPU when several workers share a machine."""
-    devices = local_devices()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if devices[0].is_cuda and local_world > 1:
-        local_rank = getattr(resolver, "local_rank", None) or int(os.environ.get("LOCAL_RANK", "0"))
-        return (devices[local_rank % len(devices)],)
-    return devices

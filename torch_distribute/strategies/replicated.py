@@ -76,7 +76,7 @@ class ReplicatedExtended(StrategyExtended):
         # counters: their records watch the layer's training flag instead.
         is_running_stat = is_buffer and isinstance(module, _NormBase) and name in ("running_mean", "running_var")
         norm_layer = module if is_running_stat else None
-        moved = None
+        moved: torch.Tensor | None = None
         primary = self.primary_device
         if tensor.device != primary:
             if isinstance(tensor, nn.Parameter):

@@ -159,7 +159,7 @@ class ReplicatedState:
             fresh = [r for r in self._fresh if r.primary is not None]
             self._fresh = []
             if self.worker_broadcast is not None and fresh:
-                self.worker_broadcast([r.primary for r in fresh])
+                self.worker_broadcast([r.live_primary() for r in fresh])
             self.broadcast(fresh)
         if not self.replicas_on_copies:  # the only replica computes with the user's tensors
             return
