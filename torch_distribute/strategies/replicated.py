@@ -4,7 +4,7 @@ local replica (``OneDevice``, ``Mirrored``, ``CentralStorage``, ``MultiWorkerMir
 ``ReplicatedExtended`` owns the ``ReplicatedState`` (the per-replica copies) and the
 in-process ``CrossDeviceOps``, and implements the parts of the strategy contract that
 depend on copies: capture (a captured tensor moves to the primary device and gets copies),
-``owns``, ``local_copies``, reductions over the local replicas, ``update`` and
+``owns``, ``local_copies``, reductions over the local replicas, ``after_update`` and
 ``finish_scope``. Strategies outside the family (parameter servers, fully sharded) derive
 from ``StrategyExtended`` directly.
 
