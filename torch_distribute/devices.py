@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,7 +106,7 @@ def canonicalize(device: DeviceLike) -> LogicalDevice:
     return parsed
 
 
-def canonicalize_all(devices: list[DeviceLike] | tuple[DeviceLike, ...]) -> tuple[LogicalDevice, ...]:
+def canonicalize_all(devices: Sequence[DeviceLike]) -> tuple[LogicalDevice, ...]:
     """Parse a list of devices; duplicates (after canonicalisation) are an error."""
     if isinstance(devices, (str, torch.device, LogicalDevice, int)):
         devices = [devices]

@@ -18,7 +18,6 @@ writes the file, and every worker returns once it is complete (see ``collective`
 from __future__ import annotations
 
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,6 +41,7 @@ from torch_distribute.checkpoint.file_io import (
 from torch_distribute.checkpoint.index import missing_path_error, read_index, write_index
 from torch_distribute.errors import CheckpointError, ContextError, InvalidArgumentError
 from torch_distribute.strategies import owner_of
+from torch_distribute.values import is_dtensor
 
 __all__ = [
     "Checkpoint",
@@ -53,17 +53,10 @@ __all__ = [
 _RESERVED = frozenset({"save_counter"})
 
 
-def _is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a DTensor (none exists until ``torch.distributed.tensor`` is imported,
-    which this module leaves to those who shard: about 1 s of CPU)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
-
-
 def _to_cpu(value: Any) -> Any:
     """``value`` with every tensor detached and on the CPU (dicts, lists, tuples recursed);
     sharded tensors (DTensors) stay where they are, each worker writes its own shard."""
-    if _is_dtensor(value):
+    if is_dtensor(value):
         return value.detach()
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()

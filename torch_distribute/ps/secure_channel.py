@@ -78,6 +78,14 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+class ForgedMessageError(ConnectionError):
+    """A message whose MAC is wrong: forged, altered, replayed or reordered.
+
+    >>> issubclass(ForgedMessageError, ConnectionError)
+    True
+    """
+
+
 class _Session:
     """One authenticated connection: framed, MAC'd messages in each direction."""
 
@@ -105,7 +113,7 @@ class _Session:
         body = _recv_exactly(self.sock, size)
         sequence = struct.pack("!Q", next(self._received))
         if not hmac.compare_digest(mac, _mac(self._key, self._in, sequence, body)):
-            raise ConnectionError("a message whose MAC is wrong (forged, altered, replayed or reordered)")
+            raise ForgedMessageError("a message whose MAC is wrong (forged, altered, replayed or reordered)")
         head_size = struct.unpack("!I", body[:4])[0]
         return json.loads(body[4:4 + head_size]), body[4 + head_size:]
 
@@ -194,7 +202,7 @@ class ChannelServer:
                     return
                 self._pool.submit(self._handle, session, header, payload, peer)
         except (OSError, ConnectionError, RuntimeError) as error:  # RuntimeError: the pool closed
-            if "MAC" in str(error):
+            if isinstance(error, ForgedMessageError):
                 logger.warning("%s closed its connection from %s: %s.", self.name, peer, error)
         finally:
             with self._lock:

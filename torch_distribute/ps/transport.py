@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch_distribute.collectives import job_secret
+from torch_distribute.collectives.failure_kind import FailureKind, failure_kind
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.ps.secure_channel import ChannelClient, ChannelServer
 
@@ -256,8 +257,7 @@ def probe(name: str, timeout: float) -> str | None:
         answered = call_async(name, _pong, timeout=timeout).wait()
     except Exception as error:  # noqa: BLE001 - every failure is a reason
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        lowered = detail.lower()
-        if isinstance(error, TimeoutError) or "timed out" in lowered or "timeout" in lowered:
+        if failure_kind(error) is FailureKind.TIMED_OUT:
             return f"stopped answering ({detail})"
         return f"closed the connection ({detail})"
     return None if answered else "stopped answering (no answer)"

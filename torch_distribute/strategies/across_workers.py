@@ -3,20 +3,27 @@
 ``MultiWorkerMirroredStrategy`` and ``FullyShardedStrategy`` both keep a ``WorkerGroup`` and
 answer the contract's topology and cross-worker calls the same way: through the group when
 there are several workers, locally when there is one. A strategy mixes this in before its
-``StrategyExtended`` base and sets ``_num_workers``, ``_worker_index``, ``_is_chief`` and
-``_group`` (a ``WorkerGroup``, or None for a single worker).
+``StrategyExtended`` base, calls ``_take_place(resolver)`` and sets ``_group`` (a
+``WorkerGroup``, from ``open_worker_group``, or None for a single worker).
+
+Their constructors share the rest too: ``worker_job`` (the cluster, and the communication
+options checked) and ``default_worker_devices``.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torch_distribute.cluster import ClusterResolver, ProcessGroupClusterResolver, resolve_cluster
+from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.worker_group import WorkerGroup
-from torch_distribute.errors import ClusterConfigError
+from torch_distribute.devices import LogicalDevice, gpu_identity, local_devices
+from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
 
 _DATA_AGREEMENT = "input agreement (does any worker still have data?)"
 
@@ -28,6 +35,12 @@ class AcrossWorkers:
     _worker_index: int
     _is_chief: bool
     _group: WorkerGroup | None
+
+    def _take_place(self, resolver: ClusterResolver) -> None:
+        """This worker's place in the cluster: how many workers, which one, the chief or not."""
+        self._num_workers = resolver.num_workers
+        self._worker_index = resolver.worker_index
+        self._is_chief = resolver.is_chief
 
     @property
     def num_workers_in_sync(self) -> int:
@@ -89,6 +102,48 @@ def strategy_cluster(cluster_resolver: ClusterResolver | None) -> ClusterResolve
     resolver = cluster_resolver or resolve_cluster()
     resolver.validate()
     return resolver
+
+
+def worker_job(
+    cluster_resolver: ClusterResolver | None, communication_options: CommunicationOptions | None
+) -> tuple[ClusterResolver, CommunicationOptions]:
+    """The cluster (``strategy_cluster``) and the communication options (the defaults for
+    None) a strategy with one process per worker runs with.
+
+    Raises:
+        ClusterConfigError: as ``strategy_cluster``.
+        InvalidArgumentError: ``communication_options`` is not a ``CommunicationOptions``.
+    """
+    resolver = strategy_cluster(cluster_resolver)
+    options = communication_options or CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise InvalidArgumentError(
+            f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
+        )
+    return resolver, options
+
+
+def open_worker_group(
+    resolver: ClusterResolver, options: CommunicationOptions, devices: Sequence[LogicalDevice], strategy: str
+) -> WorkerGroup:
+    """The ``WorkerGroup`` of this worker's ``strategy`` (its class name), meeting the others at
+    the cluster's rendezvous address."""
+    host, port = resolver.rendezvous_address()
+    return WorkerGroup(
+        host, port, resolver.num_workers, resolver.worker_index, options,
+        gpus=sorted({gpu_identity(d) for d in devices if d.is_cuda}),
+        strategy=strategy, peer_addresses=peer_addresses(resolver),
+    )
+
+
+def default_worker_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
+    """All visible GPUs, or this process's GPU when several workers share a machine."""
+    devices = local_devices()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if devices[0].is_cuda and local_world > 1:
+        local_rank = getattr(resolver, "local_rank", None) or int(os.environ.get("LOCAL_RANK", "0"))
+        return (devices[local_rank % len(devices)],)
+    return devices
 
 
 def peer_addresses(resolver: ClusterResolver) -> list[str]:

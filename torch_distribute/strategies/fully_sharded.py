@@ -18,31 +18,31 @@ engine is PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on a ``Device
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_distribute.cluster import ClusterResolver
 from torch_distribute.collectives.communication import CommunicationOptions
+from torch_distribute.collectives.failure_kind import failure_kind
 from torch_distribute.collectives.worker_group import WorkerGroup
-from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize, gpu_identity
+from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
-    peer_addresses,
-    strategy_cluster,
+    default_worker_devices,
+    open_worker_group,
+    worker_job,
 )
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
-from torch_distribute.strategies.multi_worker_mirrored import default_worker_devices
 from torch_distribute.strategies.sharded_checks import ShardedStepChecks
 from torch_distribute.strategies.single_replica import call_on_this_thread
+from torch_distribute.values import is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,19 +106,12 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         super().__init__(strategy, (device,))
-        self._worker_index = resolver.worker_index
-        self._num_workers = resolver.num_workers
-        self._is_chief = resolver.is_chief
+        self._take_place(resolver)
         self._shard_policy = shard_policy
         self._reshard_after_forward = reshard_after_forward
         self._mixed_precision = mixed_precision or MixedPrecisionPolicy()
         mesh_shape = _check_mesh_shape(mesh_shape, self._num_workers)
-        host, port = resolver.rendezvous_address()
-        self._group = WorkerGroup(
-            host, port, self._num_workers, self._worker_index, options,
-            gpus=[gpu_identity(device)] if device.is_cuda else [],
-            strategy=type(strategy).__name__, peer_addresses=peer_addresses(resolver),
-        )
+        self._group = open_worker_group(resolver, options, (device,), type(strategy).__name__)
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
         # FSDP2's collectives run inside forward and backward: each forward, optimizer step,
         # loss-scaling check and clipping is agreed first instead (sharded_checks.py).
@@ -137,6 +130,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
     # -- topology --------------------------------------------------------------------------
     @property
     def worker_group(self) -> WorkerGroup:
+        assert self._group is not None, "opened by __init__, whatever the number of workers"
         return self._group
 
     @property
@@ -152,7 +146,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
     def capture_parameter(
         self, module: nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
     ) -> torch.Tensor | None:
-        if self._sharding or _is_dtensor(tensor) or module in self._roots:
+        if self._sharding or is_dtensor(tensor) or module in self._roots:
             return None
         self._record(module)
         device = self.primary_device
@@ -234,10 +228,13 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             self._sharding = False
         mapping: dict[nn.Parameter, nn.Parameter] = {}
         for root, name, tensor in old:
-            new = root.get_parameter(name) if isinstance(tensor, nn.Parameter) else root.get_buffer(name)
-            self._add_tensor(new)
-            if isinstance(tensor, nn.Parameter) and new is not tensor:
-                mapping[tensor] = new
+            if isinstance(tensor, nn.Parameter):
+                parameter = root.get_parameter(name)
+                self._add_tensor(parameter)
+                if parameter is not tensor:
+                    mapping[tensor] = parameter
+            else:
+                self._add_tensor(root.get_buffer(name))
         return mapping
 
     def _broadcast_from_chief(self, roots: list[nn.Module]) -> None:
@@ -248,7 +245,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         seen: set[int] = set()
         for root in roots:
             for tensor in [*root.parameters(), *root.buffers()]:
-                if id(tensor) not in seen and not _is_dtensor(tensor):
+                if id(tensor) not in seen and not is_dtensor(tensor):
                     seen.add(id(tensor))
                     tensors.append(tensor.data)
         self._group.broadcast_packed_(tensors, src=0, what="initial broadcast from the chief")
@@ -256,8 +253,6 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
     def _shard_tree(self, root: nn.Module) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        kwargs = {"mesh": self._mesh, "reshard_after_forward": self._reshard_after_forward,
-                  "mp_policy": self._mixed_precision}
         picked = [
             (name, module) for name, module, parent in _post_order(root)
             if module is not root and any(True for _ in module.parameters())
@@ -271,9 +266,9 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
                     "forward of its own, so FSDP2 cannot shard it by itself. Pick the blocks inside "
                     "it instead (e.g. shard_policy=lambda m, name: isinstance(m, MyBlock))."
                 )
-        for _, module in picked:
-            fully_shard(module, **kwargs)
-        fully_shard(root, **kwargs)
+        for module in [*(m for _, m in picked), root]:
+            fully_shard(module, mesh=self._mesh, reshard_after_forward=self._reshard_after_forward,
+                        mp_policy=self._mixed_precision)
         # Summed over workers, as every strategy sums gradients: the loss is already scaled
         # by the global batch (td.compute_average_loss), not by the local one.
         # Plain SUM collectives: Gloo has no pre-multiplied sum.
@@ -294,7 +289,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         try:
             return call_on_this_thread(self._replica_context, self.primary_device, fn, args, kwargs)
         except RuntimeError as error:
-            if isinstance(error, WorkerUnavailableError) or not _is_communication_failure(error):
+            if isinstance(error, WorkerUnavailableError) or failure_kind(error) is None:
                 raise
             # A worker that died or stalled is named; any other failure is the program's own.
             missing = self._group.missing_workers()
@@ -333,16 +328,10 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         return obj.load_state_dict(state)
 
 
-def _is_dtensor(value: Any) -> bool:
-    """Whether ``value`` is a DTensor (none exists until ``torch.distributed.tensor`` is imported)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
-
-
 def _like(value: Any, target: Any) -> Any:
     """``value`` cut like ``target`` when the target is sharded and the value whole."""
     if (
-        _is_dtensor(target) and isinstance(value, torch.Tensor) and not _is_dtensor(value)
+        is_dtensor(target) and isinstance(value, torch.Tensor) and not is_dtensor(value)
         and tuple(value.shape) == tuple(target.shape)
     ):
         whole = value.to(device=target.to_local().device, dtype=target.dtype)
@@ -368,13 +357,6 @@ def _post_order(root: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None]
 
     visit("", root, None)
     return out
-
-
-def _is_communication_failure(error: BaseException) -> bool:
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error).lower()
-    return any(word in text for word in ("connection", "timed out", "timeout", "peer", "socket", "closed"))
 
 
 def _check_mesh_shape(mesh_shape: Sequence[int] | None, num_workers: int) -> tuple[int, ...]:
@@ -432,12 +414,7 @@ class FullyShardedStrategy(Strategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         device: DeviceLike | None = None,
     ):
-        resolver = strategy_cluster(cluster_resolver)
-        options = communication_options or CommunicationOptions()
-        if not isinstance(options, CommunicationOptions):
-            raise InvalidArgumentError(
-                f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
-            )
+        resolver, options = worker_job(cluster_resolver, communication_options)
         if shard_policy is not None and not callable(shard_policy):
             raise InvalidArgumentError(
                 f"shard_policy must be a callable (module, name) -> bool, got {type(shard_policy).__name__}."

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from torch_distribute import context
 from torch_distribute.collectives import CrossDeviceOps
@@ -23,10 +24,11 @@ from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended
+from torch_distribute.strategies.global_gradients import GlobalGradients, GradientState
 from torch_distribute.strategies.nonfinite import NonFiniteMonitor
 from torch_distribute.strategies.replica_threads import ReplicaThreads, outside_replica_mode
 from torch_distribute.strategies.replicated import ReplicatedExtended
-from torch_distribute.strategies.replicated_state import ReplicaTensorMode
+from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicaTensorMode
 from torch_distribute.strategies.single_replica import SingleReplicaExtended
 
 
@@ -42,20 +44,36 @@ class MirroredReplicaContext(ReplicaContext):
 
 
 class MirroredExtended(ReplicatedExtended):
+    """The mirrored family's ``run`` and optimizer step: replicas compute concurrently, the
+    step sums their gradients into the user's tensors, steps once and broadcasts.
+
+    Variants extend it through these protected hooks (listed in docs/architecture.md), never
+    by re-doing the bookkeeping around them:
+
+    - ``_run_replicas(fn, args, kwargs)``: run the step function on every local replica.
+    - ``_reduce_gradients(optimizer, records)``: leave the gradient summed over every replica
+      (and worker) in each record's user tensor's ``.grad``; the replicas drop their parts.
+    - ``_after_optimizer_step(records)``: after the user's step, before the new values are
+      broadcast to the replicas.
+    - ``_gather_nonfinite(local)``: every worker's list of replicas whose loss is not finite.
+    - ``_new_state(devices, cross_device_ops)`` (from ``ReplicatedExtended``): the layout of
+      the per-replica copies.
+
+    >>> import torch, torch_distribute as td
+    >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    >>> type(strategy.extended).__name__, strategy.extended.intercepts_optimizer_steps
+    ('MirroredExtended', True)
+    """
+
     def __init__(
         self,
         strategy: Strategy,
-        devices: tuple,
+        devices: tuple[LogicalDevice, ...],
         cross_device_ops: CrossDeviceOps | None,
-        parameter_device: LogicalDevice | None = None,
     ):
-        super().__init__(strategy, devices, cross_device_ops, parameter_device)
+        super().__init__(strategy, devices, cross_device_ops)
         self._threads: ReplicaThreads | None = None
-        # Optimizers whose gradients apply_to_global_gradients summed for the coming step,
-        # mapped to whether it then handed the global gradient to every replica.
-        self._global_grads: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._global_gradients = GlobalGradients()
         self._nonfinite = NonFiniteMonitor(strategy)
         self._steps_taken: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
@@ -70,22 +88,29 @@ class MirroredExtended(ReplicatedExtended):
         return self._threads
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        threads = self._replica_threads()
-        self._global_grads.clear()  # a new backward: gradients are local again
+        self._global_gradients.forget_all()  # a new backward: gradients are local again
         self._state.sync_stale()
+        result = self._run_replicas(fn, args, kwargs)
+        self._state.aggregate_buffers()
+        return result
+
+    def _run_replicas(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Hook: run ``fn`` on every local replica, each in its thread with its copies."""
+        threads = self._replica_threads()
         replica_contexts = [
             MirroredReplicaContext(self._strategy, self.replica_id_offset + k, threads)
             for k in range(self.num_local_replicas)
         ]
-        modes = [ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)]
-        result = threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes)
-        self._state.aggregate_buffers()
-        return result
+        modes: list[TorchFunctionMode] = [
+            ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)
+        ]
+        return threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes)
 
     # -- optimizers ------------------------------------------------------------------------
     @property
     def intercepts_optimizer_steps(self) -> bool:
-        return not (self.num_replicas_in_sync == 1 and self._state.replica0_is_primary)
+        # Alone and computing with the user's tensors, the user's own step is already right.
+        return self.num_replicas_in_sync > 1 or bool(self._state.replicas_on_copies)
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], Any] | None
@@ -103,31 +128,33 @@ class MirroredExtended(ReplicatedExtended):
 
     def apply_to_global_gradients(self, optimizer: torch.optim.Optimizer, fn: Callable[[], Any]) -> Any:
         records = self._optimizer_records(optimizer)
-        if optimizer not in self._global_grads:
-            self._sum_gradients(optimizer, records)
-            self._global_grads[optimizer] = False
+        if self._global_gradients.is_local(optimizer):
+            self._reduce_gradients(optimizer, records)
+            self._global_gradients.mark_summed(optimizer)
         result = fn()
-        if optimizer in self._global_grads:  # fn did not step: every replica gets the global gradient
+        if not self._global_gradients.is_local(optimizer):  # fn did not step
             self._share_gradients(records)
-            self._global_grads[optimizer] = True
+            self._global_gradients.mark_shared(optimizer)
         return result
 
-    def _share_gradients(self, records: list[Any]) -> None:
-        # Copies, never aliases: each replica modifies its own in place.
+    def _share_gradients(self, records: list[MirroredTensor]) -> None:
+        """Every replica gets the global gradient: copies, never aliases, since each replica
+        modifies its own in place."""
         with torch.no_grad():
             for record in records:
-                grad = record.primary.grad
+                primary = record.live_primary()
+                grad = primary.grad
                 for replica_copy in record.copies or ():
-                    if replica_copy is not record.primary:
+                    if replica_copy is not primary:
                         replica_copy.grad = None if grad is None else grad.to(replica_copy.device, copy=True)
 
-    def _take_shared_gradients(self, records: list[Any]) -> None:
+    def _take_shared_gradients(self, records: list[MirroredTensor]) -> None:
         """Replica 0's gradient, as the step function left it, is the one to apply; the
         other replicas' copies of it are dropped."""
         with torch.no_grad():
             for record in records:
-                primary, copies = record.primary, record.copies or ()
-                if copies and copies[0] is not primary:  # central storage
+                primary, copies = record.live_primary(), record.copies or []
+                if copies and copies[0] is not primary:  # replica 0 computed with a copy
                     grad = copies[0].grad
                     primary.grad = None if grad is None else grad.to(primary.device)
                 for replica_copy in copies:
@@ -137,17 +164,16 @@ class MirroredExtended(ReplicatedExtended):
     def optimizer_zero_grad(
         self, optimizer: torch.optim.Optimizer, zero_grad: Callable[..., Any], set_to_none: bool
     ) -> None:
-        self._global_grads.pop(optimizer, None)
+        self._global_gradients.forget(optimizer)
         replica = context.get_replica_context()
         if replica is not None and replica.strategy is self._strategy:
             self._zero_replica_grads(optimizer, replica.local_replica_id, set_to_none)
         else:
             zero_grad(set_to_none)
-            first_copy = 1 if self._state.replica0_is_primary else 0
-            for k in range(first_copy, self.num_local_replicas):
+            for k in self._state.replicas_on_copies:
                 self._zero_replica_grads(optimizer, k, set_to_none)
 
-    def _optimizer_records(self, optimizer: torch.optim.Optimizer) -> list[Any]:
+    def _optimizer_records(self, optimizer: torch.optim.Optimizer) -> list[MirroredTensor]:
         records = []
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -162,87 +188,87 @@ class MirroredExtended(ReplicatedExtended):
         return records
 
     def _apply_optimizer(self, optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Any:
-        """Sum the replicas' gradients into copy 0, step, broadcast the new values."""
+        """Sum the replicas' gradients into the user's tensors, step, broadcast the new values."""
         records = self._optimizer_records(optimizer)
-        shared = self._global_grads.pop(optimizer, None)
-        if shared is None:
-            self._sum_gradients(optimizer, records)
-        elif shared:  # summed already (GradScaler.unscale_), then handed to every replica
+        found = self._global_gradients.take(optimizer)
+        if found is GradientState.LOCAL:
+            self._reduce_gradients(optimizer, records)
+        elif found is GradientState.SHARED:  # summed already (GradScaler.unscale_), then handed out
             self._take_shared_gradients(records)
+        # SUMMED: the step runs inside apply_to_global_gradients (GradScaler.step), on the sum.
         number = self._steps_taken.get(optimizer, 0) + 1
         self._steps_taken[optimizer] = number
-        self._nonfinite.check([r.primary.grad for r in records],
+        self._nonfinite.check([r.live_primary().grad for r in records],
                               f"optimizer step {number} ({type(optimizer).__name__})", self._gather_nonfinite)
         result = step()
-        self._after_step(records)
-        if self.num_local_replicas > 1 or not self._state.replica0_is_primary:
+        self._after_optimizer_step(records)
+        if self._state.replicas_on_copies:
             self._state.broadcast([r for r in records if r.is_stale()])
         return result
 
-    def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
-        """Leave the sum over local replicas in copy 0's ``.grad``."""
-        with_grad = [
-            r for r in records if r.copies is not None and any(c.grad is not None for c in r.copies)
-        ]
+    def _reduce_gradients(self, optimizer: torch.optim.Optimizer, records: list[MirroredTensor]) -> None:
+        """Hook: leave the sum over every replica in each user tensor's ``.grad`` (here the
+        local replicas: one worker); the replicas drop their parts."""
+        with_grad = [r for r in records if any(c.grad is not None for c in r.copies or ())]
         if not with_grad:
             return
         if set(self.replica_devices) == {self.primary_device}:
             self._sum_in_place(with_grad)
             return
         per_replica = [
-            [r.copies[k].grad if r.copies[k].grad is not None else torch.zeros_like(r.copies[k])
-             for r in with_grad]
-            for k in range(self.num_local_replicas)
+            [_grad_or_zeros(r.current_copies()[k]) for r in with_grad] for k in range(self.num_local_replicas)
         ]
         summed = self._cross_device_ops.batch_reduce(ReduceOp.SUM, per_replica, self.primary_device)
-        replica0_is_primary = self._state.replica0_is_primary
         for record, grad in zip(with_grad, summed, strict=True):
-            primary = record.primary
+            primary, copies = record.live_primary(), record.current_copies()
             if primary.grad is None:
                 primary.grad = grad.clone()
-            elif replica0_is_primary:  # the sum already holds copy 0's own gradient
+            elif copies[0] is primary:  # the sum already holds replica 0's own gradient
                 primary.grad.copy_(grad)
-            else:  # central storage: add to what earlier steps accumulated there
+            else:  # replica 0 computed with a copy: add to what earlier steps accumulated
                 primary.grad.add_(grad)
             # The replicas drop their part: it is in the primary's gradient now, so gradients
             # accumulated over several steps without zero_grad are still summed once.
-            for replica_copy in record.copies:
+            for replica_copy in copies:
                 if replica_copy is not primary:
                     replica_copy.grad = None
 
-    def _sum_in_place(self, records: list[Any]) -> None:
-        """Replicas on one device (CPU replicas): add every replica's gradient into copy 0's.
+    def _sum_in_place(self, records: list[MirroredTensor]) -> None:
+        """Replicas on one device (CPU replicas): add every replica's gradient into the user
+        tensor's.
 
         Same order of additions as the packed reduction (replica 0, 1, 2, ...), without
         packing and unpacking: one fused ``_foreach_add_`` per replica.
         """
-        first_copy = 1 if self._state.replica0_is_primary else 0
         with torch.no_grad():
+            targets: list[torch.Tensor] = []
             for record in records:
-                if record.primary.grad is None:
-                    record.primary.grad = torch.zeros_like(record.primary)
-            targets = [r.primary.grad for r in records]
-            for k in range(first_copy, self.num_local_replicas):
-                pairs = [(t, r.copies[k].grad) for t, r in zip(targets, records, strict=True)
-                         if r.copies[k].grad is not None]
+                primary = record.live_primary()
+                if primary.grad is None:
+                    primary.grad = torch.zeros_like(primary)
+                targets.append(primary.grad)
+            for k in self._state.replicas_on_copies:
+                pairs = [(t, g) for t, r in zip(targets, records, strict=True)
+                         if (g := r.current_copies()[k].grad) is not None]
                 if pairs:
                     torch._foreach_add_([t for t, _ in pairs], [g for _, g in pairs])
                 for record in records:
-                    record.copies[k].grad = None
+                    record.current_copies()[k].grad = None
 
-    def _after_step(self, records: list[Any]) -> None:
-        """Hook for multi-worker strategies (only one worker keeps the summed gradient)."""
+    def _after_optimizer_step(self, records: list[MirroredTensor]) -> None:
+        """Hook: after the user's step, before the new values go to the replicas (nothing
+        here; a multi-worker variant drops the summed gradient on all but one worker)."""
 
     def _gather_nonfinite(self, local: list[tuple[int, float]]) -> list[list[tuple[int, float]]]:
-        """Every worker's replicas with a non-finite loss (one worker here)."""
+        """Hook: every worker's replicas with a non-finite loss (one worker here)."""
         return [local]
 
     def _zero_replica_grads(self, optimizer: torch.optim.Optimizer, local_id: int, set_to_none: bool) -> None:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 record = self._state.lookup(param)
-                # Replica 0 clears the user's tensor (under central storage as well as its
-                # own copy, which is a different tensor there).
+                # Replica 0 clears the user's tensor (also where replica 0 computes with a
+                # copy of it, which is a different tensor).
                 if local_id == 0:
                     with outside_replica_mode():  # the user's tensor itself, not replica 0's copy
                         _zero_grad_of(param, set_to_none)
@@ -250,6 +276,10 @@ class MirroredExtended(ReplicatedExtended):
                     replica_copy = record.copies[local_id]
                     if replica_copy is not param:
                         _zero_grad_of(replica_copy, set_to_none)
+
+
+def _grad_or_zeros(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
 
 
 def _zero_grad_of(tensor: torch.Tensor, set_to_none: bool) -> None:

@@ -9,7 +9,6 @@ backward runs (local replicas summed first, then one all-reduce per bucket), and
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,23 +22,33 @@ from torch_distribute.devices import (
     DeviceLike,
     LogicalDevice,
     canonicalize_all,
-    gpu_identity,
-    local_devices,
 )
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
-    peer_addresses,
-    strategy_cluster,
+    default_worker_devices,
+    open_worker_group,
+    worker_job,
 )
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.gradient_sync import GradientSynchronizer
 from torch_distribute.strategies.mirrored import MirroredExtended
+from torch_distribute.strategies.replicated_state import MirroredTensor
 from torch_distribute.strategies.single_replica import call_on_this_thread
 
 
 class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
+    """The mirrored family across worker processes, through the family's hooks: one local
+    replica runs in the calling thread (``_run_replicas``), gradients are summed over the
+    workers in buckets (``_reduce_gradients``), only worker 0 keeps the sum after the step
+    (``_after_optimizer_step``), non-finite reports are gathered from every worker.
+
+    >>> import torch_distribute as td
+    >>> td.MultiWorkerMirroredStrategy().extended.worker_group is None   # one local worker
+    True
+    """
+
     def __init__(
         self,
         strategy: Strategy,
@@ -50,20 +59,13 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         super().__init__(strategy, devices, None)
         self._resolver = resolver
         self._options = options
-        self._num_workers = resolver.num_workers
-        self._worker_index = resolver.worker_index
-        self._is_chief = resolver.is_chief
+        self._take_place(resolver)
         self._group: WorkerGroup | None = None
         self._synchronizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, GradientSynchronizer] = (
             weakref.WeakKeyDictionary()
         )
         if self._num_workers > 1:
-            host, port = resolver.rendezvous_address()
-            self._group = WorkerGroup(
-                host, port, self._num_workers, self._worker_index, options,
-                gpus=sorted({gpu_identity(d) for d in devices if d.is_cuda}),
-                strategy=type(strategy).__name__, peer_addresses=peer_addresses(resolver),
-            )
+            self._group = open_worker_group(resolver, options, devices, type(strategy).__name__)
             counts = self._group.all_gather_objects(len(devices), what="start-up check")
             if len(set(counts)) != 1:
                 self._group.close()
@@ -84,17 +86,16 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._group is not None:
             self._group.begin_run()
-        if self.num_local_replicas > 1:
-            result = super().call_for_each_replica(fn, args, kwargs)
-        else:
-            # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
-            self._global_grads.clear()
-            self._state.sync_stale()
-            result = call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
-            self._state.aggregate_buffers()
+        result = super().call_for_each_replica(fn, args, kwargs)
         for synchronizer in self._synchronizers.values():
             synchronizer.attach_hooks()
         return result
+
+    def _run_replicas(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.num_local_replicas > 1:
+            return super()._run_replicas(fn, args, kwargs)
+        # One local replica: run in this thread, like DDP (no thread hand-off, no mode).
+        return call_on_this_thread(self._single_replica_context, self.primary_device, fn, args, kwargs)
 
     # -- across workers (AcrossWorkers) -----------------------------------------------------
     @property
@@ -107,10 +108,10 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
     def _mean_over_workers(self, tensors: list[torch.Tensor]) -> None:
         self._group.average_packed_(tensors, what="buffer average")
 
-    # -- gradients -----------------------------------------------------------------------------
-    def _sum_gradients(self, optimizer: torch.optim.Optimizer, records: list[Any]) -> None:
+    # -- gradients (the mirrored family's hooks) ------------------------------------------------
+    def _reduce_gradients(self, optimizer: torch.optim.Optimizer, records: list[MirroredTensor]) -> None:
         if self._group is None:
-            super()._sum_gradients(optimizer, records)
+            super()._reduce_gradients(optimizer, records)
             return
         synchronizer = self._synchronizers.get(optimizer)
         if synchronizer is None:
@@ -126,12 +127,12 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             return [local]
         return self._group.all_gather_objects(local, what="non-finite gradient report")
 
-    def _after_step(self, records: list[Any]) -> None:
+    def _after_optimizer_step(self, records: list[MirroredTensor]) -> None:
         # Worker 0 keeps the summed gradient; the others drop it, so gradients accumulated
         # over several steps without zero_grad are still summed once.
         if self._group is not None and self._worker_index != 0:
             for record in records:
-                record.primary.grad = None
+                record.live_primary().grad = None
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -157,12 +158,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
         devices: Sequence[DeviceLike] | None = None,
     ):
-        resolver = strategy_cluster(cluster_resolver)
-        options = communication_options or CommunicationOptions()
-        if not isinstance(options, CommunicationOptions):
-            raise InvalidArgumentError(
-                f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
-            )
+        resolver, options = worker_job(cluster_resolver, communication_options)
         parsed = canonicalize_all(devices) if devices is not None else default_worker_devices(resolver)
         self._cluster_resolver = resolver
         super().__init__(MultiWorkerMirroredExtended(self, parsed, resolver, options))
@@ -170,13 +166,3 @@ class MultiWorkerMirroredStrategy(Strategy):
     @property
     def cluster_resolver(self) -> ClusterResolver:
         return self._cluster_resolver
-
-
-def default_worker_devices(resolver: ClusterResolver) -> tuple[LogicalDevice, ...]:
-    """All visible GPUs, or this process's GPU when several workers share a machine."""
-    devices = local_devices()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if devices[0].is_cuda and local_world > 1:
-        local_rank = getattr(resolver, "local_rank", None) or int(os.environ.get("LOCAL_RANK", "0"))
-        return (devices[local_rank % len(devices)],)
-    return devices

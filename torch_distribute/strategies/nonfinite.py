@@ -28,7 +28,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ class NonFiniteMonitor:
         self._strategy = weakref.ref(strategy)
         self._reported = False
 
-    def check(self, grads: list[torch.Tensor], where: str,
+    def check(self, grads: Sequence[torch.Tensor | None], where: str,
               gather: Callable[[list[tuple[int, float]]], list[list[tuple[int, float]]]]) -> None:
         """``grads``: the global gradients of one optimizer step, before it is applied;
         ``where``: the step, for the message; ``gather``: every worker's list of

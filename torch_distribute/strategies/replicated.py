@@ -4,7 +4,7 @@ local replica (``OneDevice``, ``Mirrored``, ``CentralStorage``, ``MultiWorkerMir
 ``ReplicatedExtended`` owns the ``ReplicatedState`` (the per-replica copies) and the
 in-process ``CrossDeviceOps``, and implements the parts of the strategy contract that
 depend on copies: capture (a captured tensor moves to the primary device and gets copies),
-``owns``, ``local_copies``, reductions over the local replicas, ``update`` and
+``owns``, ``local_copies``, reductions over the local replicas, ``after_update`` and
 ``finish_scope``. Strategies outside the family (parameter servers, fully sharded) derive
 from ``StrategyExtended`` directly.
 
@@ -18,7 +18,6 @@ from ``StrategyExtended`` directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,15 +31,15 @@ from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.strategies.base import Strategy
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
 from torch_distribute.strategies.replicated_state import ReplicatedState
-from torch_distribute.values import PerReplica, select_replica
+from torch_distribute.values import PerReplica
 
 
 class ReplicatedExtended(StrategyExtended):
     """``StrategyExtended`` with one copy of every captured tensor per local replica.
 
-    ``parameter_device`` set: the user's tensors are the one central copy there and every
-    replica computes with a copy (central storage); otherwise replica 0 computes with the
-    user's tensor itself.
+    Replica 0 computes with the user's tensor itself; a variant with another layout of the
+    copies (central storage) overrides ``_new_state``. Subclasses reach the copies through
+    ``self._state`` (a ``ReplicatedState``).
     """
 
     def __init__(
@@ -48,30 +47,22 @@ class ReplicatedExtended(StrategyExtended):
         strategy: Strategy,
         devices: tuple[LogicalDevice, ...],
         cross_device_ops: CrossDeviceOps | None = None,
-        parameter_device: LogicalDevice | None = None,
     ):
         super().__init__(strategy, devices)
         if cross_device_ops is None:
             cross_device_ops = select_cross_device_ops(devices)
         cross_device_ops.validate(devices)
         self._cross_device_ops = cross_device_ops
-        self._parameter_device = parameter_device
-        self._state = ReplicatedState(
-            list(self.replica_devices),
-            cross_device_ops,
-            parameter_device.torch_device if parameter_device is not None else None,
-        )
+        self._state = self._new_state(list(self.replica_devices), cross_device_ops)
+
+    def _new_state(self, devices: list[torch.device], cross_device_ops: CrossDeviceOps) -> ReplicatedState:
+        """Hook: the per-replica copies this strategy keeps (called once, by ``__init__``)."""
+        return ReplicatedState(devices, cross_device_ops)
 
     # -- topology --------------------------------------------------------------------------
     @property
     def primary_device(self) -> torch.device:
         return self._state.primary_device
-
-    @property
-    def parameter_devices(self) -> tuple[LogicalDevice, ...]:
-        if self._parameter_device is not None:
-            return (self._parameter_device,)
-        return self.worker_devices
 
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
@@ -85,7 +76,7 @@ class ReplicatedExtended(StrategyExtended):
         # counters: their records watch the layer's training flag instead.
         is_running_stat = is_buffer and isinstance(module, _NormBase) and name in ("running_mean", "running_var")
         norm_layer = module if is_running_stat else None
-        moved = None
+        moved: torch.Tensor | None = None
         primary = self.primary_device
         if tensor.device != primary:
             if isinstance(tensor, nn.Parameter):
@@ -135,16 +126,6 @@ class ReplicatedExtended(StrategyExtended):
                 total = divide(total, self.num_replicas_in_sync)
             out.append(PerReplica(self.broadcast_locally(total)))
         return out
-
-    def update(self, var: torch.Tensor, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, group: bool = True) -> Any:
-        record = self._state.lookup(var)
-        if record is not None and not self._state.replica0_is_primary:
-            # Central storage: update the one central value; replicas read it afresh.
-            with torch.no_grad():
-                result = fn(var, *select_replica(0, args), **select_replica(0, kwargs or {}))
-            self._state.broadcast([record])
-            return result if group else [result]
-        return super().update(var, fn, args, kwargs, group)
 
     def after_update(self, var: torch.Tensor) -> None:
         record = self._state.lookup(var)

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_distribute.collectives import CrossDeviceOps
 from torch_distribute.errors import UnmirroredStateError
+from torch_distribute.reduce_op import ReduceOp
 
 # Set on the user's buffers made in a scope (parameters are recognised by their type).
 MIRRORED_BUFFER = "_torch_distribute_mirrored"
@@ -48,6 +49,17 @@ class MirroredTensor:
     def primary(self) -> torch.Tensor | None:
         return self._primary()
 
+    def live_primary(self) -> torch.Tensor:
+        """The user's tensor, where the caller holds it (an optimizer, the state's records)."""
+        primary = self._primary()
+        assert primary is not None, "a record read after its tensor was collected"
+        return primary
+
+    def current_copies(self) -> list[torch.Tensor]:
+        """One tensor per replica, where the record was broadcast at least once."""
+        assert self.copies is not None, "a record read before its first broadcast"
+        return self.copies
+
     def stamp(self) -> tuple[int, int, tuple[int, ...]]:
         p = self._primary()
         return (p._version, p.data_ptr(), tuple(p.shape))
@@ -70,21 +82,23 @@ class MirroredTensor:
 class ReplicatedState:
     """All mirrored tensors of one strategy, keyed by the identity of the user's tensor.
 
-    By default replica 0 computes with the user's tensor itself (``copies[0]`` is it). With a
-    separate ``primary_device`` (central storage), the user's tensor is the one central value
-    and every replica, replica 0 included, computes with a copy of it.
+    Replica 0 computes with the user's tensor itself (``copies[0]`` is it), on
+    ``primary_device``, the first replica device; the other replicas compute with copies. A
+    layout where every replica computes with a copy (central storage) overrides
+    ``replicas_on_copies`` and ``primary_device``.
+
+    >>> import torch
+    >>> from torch_distribute.collectives import ReductionToOneDevice
+    >>> state = ReplicatedState([torch.device("cpu")] * 2, ReductionToOneDevice())
+    >>> weight = torch.nn.Parameter(torch.ones(2))
+    >>> state.register(weight, is_buffer=False); state.sync_stale()
+    >>> state.local_copies(weight)[0] is weight, list(state.replicas_on_copies)
+    (True, [1])
     """
 
-    def __init__(
-        self,
-        devices: Sequence[torch.device],
-        cross_device_ops: CrossDeviceOps,
-        primary_device: torch.device | None = None,
-    ):
+    def __init__(self, devices: Sequence[torch.device], cross_device_ops: CrossDeviceOps):
         self.devices = list(devices)
         self.cross_device_ops = cross_device_ops
-        self.replica0_is_primary = primary_device is None
-        self.primary_device = self.devices[0] if primary_device is None else primary_device
         self._records: dict[int, MirroredTensor] = {}
         self._fresh: list[MirroredTensor] = []
         self._buffers: list[MirroredTensor] = []
@@ -96,6 +110,17 @@ class ReplicatedState:
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
+
+    @property
+    def primary_device(self) -> torch.device:
+        """Where the user's tensors live: replica 0's device."""
+        return self.devices[0]
+
+    @property
+    def replicas_on_copies(self) -> range:
+        """The local replicas that compute with a copy of the user's tensors, not the tensors
+        themselves: every replica but replica 0."""
+        return range(1, self.num_replicas)
 
     def register(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
         key = id(tensor)
@@ -134,31 +159,35 @@ class ReplicatedState:
             fresh = [r for r in self._fresh if r.primary is not None]
             self._fresh = []
             if self.worker_broadcast is not None and fresh:
-                self.worker_broadcast([r.primary for r in fresh])
+                self.worker_broadcast([r.live_primary() for r in fresh])
             self.broadcast(fresh)
-        if self.num_replicas == 1 and self.replica0_is_primary:
+        if not self.replicas_on_copies:  # the only replica computes with the user's tensors
             return
         stale = [r for r in self.records() if r.is_stale()]
         if stale:
             self.broadcast(stale)
 
     def broadcast(self, records: Iterable[MirroredTensor]) -> None:
+        """Give every replica the user's tensor's value: the tensor itself, or a copy of it."""
+        on_copies = self.replicas_on_copies
         with torch.no_grad():
             for record in records:
-                primary = record.primary
-                first_copy = 1 if self.replica0_is_primary else 0
-                if record.copies is None or any(
-                    c.shape != primary.shape or c.dtype != primary.dtype
-                    for c in record.copies[first_copy:]
+                primary = record.live_primary()
+                copies = record.copies
+                if copies is None or any(
+                    copies[k].shape != primary.shape or copies[k].dtype != primary.dtype for k in on_copies
                 ):
-                    record.copies = [primary] if self.replica0_is_primary else []
-                    record.copies += [_detached_copy(primary, d) for d in self.devices[first_copy:]]
+                    record.copies = [
+                        _detached_copy(primary, device) if k in on_copies else primary
+                        for k, device in enumerate(self.devices)
+                    ]
                     self.copies_generation += 1
                 else:
-                    if self.replica0_is_primary:
-                        record.copies[0] = primary
-                    for c in record.copies[first_copy:]:
-                        c.copy_(primary, non_blocking=True)
+                    for k in range(self.num_replicas):
+                        if k in on_copies:
+                            copies[k].copy_(primary, non_blocking=True)
+                        else:
+                            copies[k] = primary
                 record.mark_synced()
 
     def aggregate_buffers(self) -> None:
@@ -167,24 +196,24 @@ class ReplicatedState:
         Floating buffers get the mean over replicas (as TF's ON_READ MEAN), integer ones
         (step counters) keep replica 0's value; then every copy holds the result.
         """
-        if self.num_replicas == 1 and self.replica0_is_primary and self.worker_mean is None:
+        if not self.replicas_on_copies and self.worker_mean is None:
             return
         changed = [r for r in self._buffers if r.copies and r.copies_changed()]
         if not changed:
             return
-        floating = [r for r in changed if r.primary.is_floating_point()]
+        floating = [r for r in changed if r.live_primary().is_floating_point()]
         with torch.no_grad():
-            if floating and (self.num_replicas > 1 or not self.replica0_is_primary):
-                per_replica = [[r.copies[k] for r in floating] for k in range(self.num_replicas)]
-                means = self.cross_device_ops.batch_reduce("mean", per_replica, self.primary_device)
+            if floating and self.replicas_on_copies:
+                per_replica = [[r.current_copies()[k] for r in floating] for k in range(self.num_replicas)]
+                means = self.cross_device_ops.batch_reduce(ReduceOp.MEAN, per_replica, self.primary_device)
                 for record, mean in zip(floating, means, strict=True):
-                    record.primary.copy_(mean)
-            if not self.replica0_is_primary:
-                for record in changed:
-                    if not record.primary.is_floating_point():
-                        record.primary.copy_(record.copies[0])
+                    record.live_primary().copy_(mean)
+            for record in changed:
+                primary, replica0 = record.live_primary(), record.current_copies()[0]
+                if not primary.is_floating_point() and replica0 is not primary:
+                    primary.copy_(replica0)  # the user's tensor takes replica 0's count
             if floating and self.worker_mean is not None:
-                self.worker_mean([r.primary for r in floating])
+                self.worker_mean([r.live_primary() for r in floating])
         self.broadcast(changed)
 
     # -- views -------------------------------------------------------------------------
@@ -194,22 +223,26 @@ class ReplicatedState:
             return None
         if record.is_stale():
             self.broadcast([record])
-        return tuple(record.copies)
+        return tuple(record.current_copies())
 
     def module_replicas(self, module: nn.Module) -> tuple[nn.Module, ...] | None:
         """One module per replica, sharing storage with that replica's copies."""
         tensors = list(module.parameters()) + list(module.buffers())
-        records = [self.lookup(t) for t in tensors]
-        if not tensors or any(r is None for r in records):
+        found = [self.lookup(t) for t in tensors]
+        records = [r for r in found if r is not None]
+        if not tensors or len(records) != len(found):
             return None
         stale = [r for r in records if r.is_stale()]
         if stale:
             self.broadcast(stale)
-        replicas = [module] if self.replica0_is_primary else []
-        for k in range(len(replicas), self.num_replicas):
+        replicas: list[nn.Module] = []
+        for k in range(self.num_replicas):
+            if k not in self.replicas_on_copies:
+                replicas.append(module)
+                continue
             memo: dict[int, Any] = {}
             for tensor, record in zip(tensors, records, strict=True):
-                replica_tensor = record.copies[k]
+                replica_tensor = record.current_copies()[k]
                 if isinstance(tensor, nn.Parameter):
                     replica_tensor = nn.Parameter(replica_tensor, requires_grad=tensor.requires_grad)
                 memo[id(tensor)] = replica_tensor
@@ -236,10 +269,10 @@ class ReplicaTensorMode(TorchFunctionMode):
 
     def __init__(self, state: ReplicatedState, local_replica_id: int, strict: bool):
         super().__init__()
-        # Replica 0 of a mirrored strategy computes with the user's tensors themselves. Under
+        # A replica that computes with the user's tensors themselves swaps nothing. Under
         # torch.compile this flag is also what keeps each replica's graph its own: dynamo
         # guards on it, so no replica runs a graph traced with another one's tensors.
-        self._passthrough = local_replica_id == 0 and state.replica0_is_primary
+        self._passthrough = local_replica_id not in state.replicas_on_copies
         # Built once per run: primary id -> (primary, this replica's copy). Holding the primary
         # makes the identity check exact (an id is never reused while the pair is held).
         self._table = {
