@@ -89,7 +89,6 @@ class Model(nn.Module):
     """
 
     _constructor_arguments: tuple[tuple[object, ...], dict[str, object]]
-    _strategy: Strategy
     optimizer = TrainingField[torch.optim.Optimizer | LossScaleOptimizer | None]()
     compiled = TrainingField[bool]()
     compiled_loss = TrainingField[LossesContainer | None]()
@@ -115,7 +114,7 @@ class Model(nn.Module):
         self.module = module
         self.name = name or (type(module).__name__ if module is not None else type(self).__name__)
         # The scope we are made in; the parameters' owner wins when they say otherwise.
-        self._strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
+        self._strategy: Strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
         self.training_state = TrainingState()
 
     @property
