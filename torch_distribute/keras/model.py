@@ -22,13 +22,12 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch import nn
-from typing_extensions import Self
 
 from torch_distribute import context
 from torch_distribute import metrics as td_metrics
@@ -58,6 +57,8 @@ from torch_distribute.strategies import Strategy, owner_of
 from torch_distribute.strategies.interception import capture_module
 
 __all__ = ["Model", "NotCompiledError"]
+
+_M = TypeVar("_M", bound="Model")
 
 
 class NotCompiledError(ContextError):
@@ -100,7 +101,7 @@ class Model(nn.Module):
     test_function = TrainingField[StepFunction | None]()
     predict_function = TrainingField[StepFunction | None]()
 
-    def __new__(cls, *args: object, **kwargs: object) -> Self:
+    def __new__(cls: type[_M], *args: object, **kwargs: object) -> _M:
         # What save() rebuilds the model from: the outermost constructor call's arguments.
         self = super().__new__(cls)
         self._constructor_arguments = (args, kwargs)
@@ -137,7 +138,7 @@ class Model(nn.Module):
         capture_module(self)
         self._strategy = context.get_strategy()
 
-    def __deepcopy__(self, memo: dict[int, object]) -> Self:
+    def __deepcopy__(self: _M, memo: dict[int, object]) -> _M:
         # A deep copy is an ordinary one (not a pickle round trip): it shares the strategy.
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
