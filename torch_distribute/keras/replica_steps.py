@@ -89,6 +89,11 @@ class ReplicaSteps:
             tracker.update_state(values.detach())
         self.metrics.update_state(y, nest.map_structure(torch.Tensor.detach, y_pred), sample_weight)
 
+    def _compiled_loss(self) -> LossesContainer:
+        if self.loss is None:
+            raise InvalidArgumentError("train_step and test_step need the loss: ReplicaSteps(model, loss=...).")
+        return self.loss
+
     def train_step(self, batch: Any, global_rows: int) -> None:
         """One optimizer step on this replica's rows of a global batch of ``global_rows`` rows."""
         x, y, sample_weight = unpack(batch)
@@ -96,7 +101,7 @@ class ReplicaSteps:
             raise InvalidArgumentError("fit needs targets: pass y=, or batches of (x, y).")
         y_pred = self.call(x)
         weight = self.weights_for(y, sample_weight)
-        total, parts = self.loss(y, y_pred, weight)
+        total, parts = self._compiled_loss()(y, y_pred, weight)
         # This replica's share of the mean over the global batch: gradients are summed over replicas.
         loss = total.sum() / global_rows if global_rows else total.sum() * 0.0
         if isinstance(self.optimizer, LossScaleOptimizer):
@@ -114,7 +119,7 @@ class ReplicaSteps:
         with torch.no_grad():
             y_pred = self.call(x)
             weight = self.weights_for(y, sample_weight)
-            total, parts = self.loss(y, y_pred, weight)
+            total, parts = self._compiled_loss()(y, y_pred, weight)
             self.update_trackers(total, parts, y, y_pred, weight)
 
     def predict_step(self, batch: Any) -> Any:
