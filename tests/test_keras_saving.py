@@ -5,14 +5,17 @@ state, and ``optimizer.learning_rate``."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
 import torch_distribute as td
+from torch_distribute.keras.training_state import TrainingState
 from torch_distribute.strategies import owner_of
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")]
@@ -236,6 +239,34 @@ def test_pickling_a_scoped_model_gives_the_plain_model():
     torch.testing.assert_close(_params(plain), _params(model), rtol=0, atol=0)
     x, _ = _data()
     torch.testing.assert_close(plain(x), model(x), rtol=0, atol=0)
+
+
+class WiderClassifier(Classifier):
+    """A subclass of a subclass: the outermost constructor call is the one recorded."""
+
+    def __init__(self, features: int):
+        super().__init__(features, 3, hidden=32)
+
+
+class SameClassifier(Classifier):
+    """A subclass without an __init__ of its own."""
+
+
+def test_constructor_arguments_are_those_of_the_outermost_call_and_survive_copies():
+    assert Classifier(4, 3, hidden=8).constructor_arguments == ((4, 3), {"hidden": 8})
+    assert WiderClassifier(4).constructor_arguments == ((4,), {})
+    assert SameClassifier(4, classes=2).constructor_arguments == ((4,), {"classes": 2})
+    model = Classifier(4, 3)
+    model.compile("sgd", "mse")
+    copied = copy.deepcopy(model)
+    assert copied.constructor_arguments == ((4, 3), {}) and copied.compiled
+    assert copied.training_state is not model.training_state and copied.optimizer is not model.optimizer
+    unpickled = pickle.loads(pickle.dumps(model))
+    assert unpickled.constructor_arguments == ((4, 3), {})
+    # Pickling drops every field of the training state (what compile and fit set), whatever it holds.
+    assert unpickled.training_state == TrainingState()
+    model.stop_training = True
+    assert model.training_state.stop_training and "stop_training" not in vars(model)
 
 
 def test_model_unpickled_in_scope_is_mirrored_and_trains_like_one_device():

@@ -39,7 +39,7 @@ class Policy:
     ``autocast_dtype`` is the ``torch.dtype`` to autocast to (``None`` for float32).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | Policy):
         if isinstance(name, Policy):
             name = name.name
         if name not in _COMPUTE_DTYPES:

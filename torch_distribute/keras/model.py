@@ -19,57 +19,46 @@ numbers are those of one device, whatever the strategy.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
 from torch_distribute import context
 from torch_distribute import metrics as td_metrics
-from torch_distribute.checkpoint import Checkpoint
-from torch_distribute.compiled_function import function as td_function
-from torch_distribute.errors import (
-    ContextError,
-    InvalidArgumentError,
-    UnmirroredStateError,
-)
-from torch_distribute.keras import optimizers as optimizers_module
-from torch_distribute.keras import ps_loops, saving, training_loops
+from torch_distribute.errors import ContextError, InvalidArgumentError
+from torch_distribute.keras import model_saving, model_summary, ps_loops, training_loops
 from torch_distribute.keras.callbacks.base import Callback
 from torch_distribute.keras.callbacks.history import History
+from torch_distribute.keras.compile_config import (
+    CompileConfig,
+    OptimizerArgument,
+    build_compiled,
+    check_autocast_devices,
+    check_metric_owners,
+)
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
 from torch_distribute.keras.mixed_precision import Policy, call_under_policy, global_policy
-from torch_distribute.keras.replica_steps import ReplicaSteps
-from torch_distribute.mixed_precision import LossScaleOptimizer, check_autocast
-from torch_distribute.strategies import owner_of
+from torch_distribute.keras.model_strategy import (
+    adopt,
+    check_called_in_scope,
+    owning_strategy,
+    scope_of,
+)
+from torch_distribute.keras.replica_steps import StepFunction, step_function
+from torch_distribute.keras.training_state import TrainingField, TrainingState
+from torch_distribute.mixed_precision import LossScaleOptimizer
+from torch_distribute.strategies import Strategy, owner_of
 from torch_distribute.strategies.interception import capture_module
 
 __all__ = ["Model", "NotCompiledError"]
 
-# What pickling drops: a pickled model is the plain, uncompiled model (see Model.__getstate__).
-_TRAINING_STATE: dict[str, Any] = {
-    "_strategy": None, "optimizer": None, "history": None, "compiled": False, "steps_per_execution": 1,
-    "_loss_tracker": None, "_output_loss_trackers": [], "compiled_loss": None, "compiled_metrics": None,
-    "_class_weight": None, "_run_eagerly": False, "_jit_compile": False, "train_function": None,
-    "test_function": None, "predict_function": None, "_compile_config": None, "stop_training": False,
-}
-
-
-def _records_arguments(init: Callable[..., None]) -> Callable[..., None]:
-    """``init`` that first records the arguments of the outermost constructor call."""
-
-    @functools.wraps(init)
-    def __init__(self: Model, *args: Any, **kwargs: Any) -> None:
-        if "_constructor_arguments" not in self.__dict__:
-            object.__setattr__(self, "_constructor_arguments", (args, kwargs))
-        init(self, *args, **kwargs)
-
-    return __init__
+_M = TypeVar("_M", bound="Model")
 
 
 class NotCompiledError(ContextError):
@@ -82,7 +71,8 @@ class Model(nn.Module):
     ``Model(module)`` calls ``module`` in ``forward``; the model belongs to the strategy whose
     scope its parameters were made in (``distribute_strategy``). ``self.module`` is the
     wrapped module: its ``state_dict`` is what ``save_weights`` writes, so the files load
-    into the bare module.
+    into the bare module. What ``compile`` and ``fit`` set is one ``TrainingState``
+    (``training_state``); ``optimizer``, ``history``, ``stop_training``... are its fields.
 
     >>> import torch, torch_distribute as td
     >>> class TwoLayers(td.keras.Model):
@@ -99,53 +89,48 @@ class Model(nn.Module):
     ['loss', 'accuracy']
     """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "__init__" in cls.__dict__:  # record what save() needs to rebuild the model
-            setattr(cls, "__init__", _records_arguments(cls.__dict__["__init__"]))  # noqa: B010 (no literal ".__init__ =": that is how torch patching is spotted)
+    _constructor_arguments: tuple[tuple[object, ...], dict[str, object]]
+    optimizer = TrainingField[torch.optim.Optimizer | LossScaleOptimizer | None]()
+    compiled = TrainingField[bool]()
+    compiled_loss = TrainingField[LossesContainer | None]()
+    compiled_metrics = TrainingField[MetricsContainer | None]()
+    steps_per_execution = TrainingField[int]()
+    history = TrainingField[History | None]()
+    stop_training = TrainingField[bool]()
+    train_function = TrainingField[StepFunction | None]()
+    test_function = TrainingField[StepFunction | None]()
+    predict_function = TrainingField[StepFunction | None]()
+
+    def __new__(cls: type[_M], *args: object, **kwargs: object) -> _M:
+        # What save() rebuilds the model from: the outermost constructor call's arguments.
+        self = super().__new__(cls)
+        self._constructor_arguments = (args, kwargs)
+        return self
 
     def __init__(self, module: nn.Module | None = None, name: str | None = None, dtype: Policy | str | None = None):
-        if "_constructor_arguments" not in self.__dict__:
-            object.__setattr__(self, "_constructor_arguments", ((module,), {"name": name, "dtype": dtype}))
         super().__init__()
         self.dtype_policy = global_policy() if dtype is None else Policy(dtype)
         if module is not None:
-            _adopt(module)
+            adopt(module)
         self.module = module
         self.name = name or (type(module).__name__ if module is not None else type(self).__name__)
         # The scope we are made in; the parameters' owner wins when they say otherwise.
-        self._strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
-        self.stop_training = False
-        self.optimizer: torch.optim.Optimizer | LossScaleOptimizer | None = None
-        self.history: History | None = None
-        self.compiled = False
-        self.steps_per_execution = 1
-        self._loss_tracker: td_metrics.Mean | None = None
-        self._output_loss_trackers: list[td_metrics.Mean] = []
-        self.compiled_loss: LossesContainer | None = None
-        self.compiled_metrics: MetricsContainer | None = None
-        self._class_weight: torch.Tensor | None = None
-        self._run_eagerly = False
-        self._jit_compile = False
-        # What fit/evaluate/predict call for each batch (made on first use, dropped by compile).
-        self.train_function: Callable[..., Any] | None = None
-        self.test_function: Callable[..., Any] | None = None
-        self.predict_function: Callable[..., Any] | None = None
-        self._compile_config: dict[str, Any] | None = None  # compile's arguments, for save()
+        self._strategy: Strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
+        self.training_state = TrainingState()
 
     @property
-    def constructor_arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def constructor_arguments(self) -> tuple[tuple[object, ...], dict[str, object]]:
         """``(args, kwargs)`` of the constructor call that made this model (what ``save``
         records to rebuild it; a class's ``get_config()`` takes precedence)."""
         return self._constructor_arguments
 
     # -- pickling -----------------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         """Pickling (``torch.save(model)``, ``pickle``) keeps the plain model: its architecture,
         its weights (under a strategy, the values the user holds: replica 0's, the same on
         every replica) and its dtype policy; not the strategy, nor ``compile``'s state (the
         optimizer, losses, metrics), nor the ``history``. ``model.save`` keeps those."""
-        return {**self.__dict__, **copy.deepcopy(_TRAINING_STATE)}
+        return {**self.__dict__, "_strategy": None, "training_state": TrainingState()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled inside ``strategy.scope()``, the model is mirrored there as if made there."""
@@ -153,7 +138,7 @@ class Model(nn.Module):
         capture_module(self)
         self._strategy = context.get_strategy()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Model:
+    def __deepcopy__(self: _M, memo: dict[int, object]) -> _M:
         # A deep copy is an ordinary one (not a pickle round trip): it shares the strategy.
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
@@ -174,51 +159,24 @@ class Model(nn.Module):
 
     # -- the strategy --------------------------------------------------------------------------
     @property
-    def distribute_strategy(self) -> Any:
+    def distribute_strategy(self) -> Strategy:
         """The strategy the model belongs to (its parameters were made in its scope)."""
         return self._strategy
 
-    def _resolve_strategy(self) -> Any:
-        first = next(iter([*self.parameters(), *self.buffers()]), None)
-        owner = owner_of(first) if first is not None else None
-        strategy = self._strategy
-        if owner is not None and strategy.is_default:
-            strategy = self._strategy = owner
-        elif owner is not None and owner is not strategy:
-            raise ContextError(
-                f"{self.name}'s parameters belong to {type(owner).__name__} but the model was wrapped under "
-                f"{type(strategy).__name__}; create the module and the td.keras.Model in the same scope."
-            )
-        if first is not None and owner is None and strategy.num_replicas_in_sync > 1:
-            raise UnmirroredStateError(
-                f"{self.name} was created outside strategy.scope() but is used with "
-                f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas): create the module "
-                "inside `with strategy.scope():`, or wrap a module made or loaded elsewhere (torch.load, "
-                "load_model, copy.deepcopy) inside the scope: `with strategy.scope(): model = "
-                "td.keras.Model(module)` hands it to the strategy. A TorchScript module (torch.jit.load) "
-                "cannot be handed over: build the module in the scope and load its weights "
-                "(module.load_state_dict(scripted.state_dict()))."
-            )
-        if context.has_strategy() and context.get_strategy() is not strategy:
-            raise ContextError(
-                f"{self.name} belongs to {type(strategy).__name__} but compile/fit was called in the scope of "
-                f"{type(context.get_strategy()).__name__}; call it in the model's own scope or outside any scope."
-            )
+    def _resolve_strategy(self) -> Strategy:
+        """The model's strategy, checked for this call (see ``keras.model_strategy``)."""
+        strategy = self._strategy = owning_strategy(self.name, self._strategy, [*self.parameters(), *self.buffers()])
+        check_called_in_scope(self.name, strategy)
         return strategy
-
-    def _scope(self) -> Any:
-        strategy = self._strategy
-        return contextlib.nullcontext() if strategy.is_default else strategy.scope()
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(
         self,
-        optimizer: str | optimizers_module.OptimizerSpec | torch.optim.Optimizer | LossScaleOptimizer
-        | Callable[..., Any] = "rmsprop",
-        loss: Any = None,
-        metrics: Any = None,
+        optimizer: OptimizerArgument = "rmsprop",
+        loss: object = None,
+        metrics: object = None,
         loss_weights: Sequence[float] | dict[str, float] | None = None,
-        weighted_metrics: Any = None,
+        weighted_metrics: object = None,
         steps_per_execution: int = 1,
         auto_scale_loss: bool = True,
         run_eagerly: bool = False,
@@ -240,101 +198,34 @@ class Model(nn.Module):
         ``False`` as on Keras' torch backend: the steps run eagerly. ``run_eagerly=True`` forbids
         compiling; with ``jit_compile=True`` it raises (pick one).
         """
-        jit_compile = _check_run_modes(run_eagerly, jit_compile)
-        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
-            raise InvalidArgumentError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}.")
-        if not isinstance(auto_scale_loss, bool):
-            raise InvalidArgumentError(f"auto_scale_loss must be True or False, got {auto_scale_loss!r}.")
+        config = CompileConfig(optimizer, loss, metrics, loss_weights, weighted_metrics, steps_per_execution,
+                               auto_scale_loss, run_eagerly, jit_compile)
         strategy = self._resolve_strategy()
-        self._check_policy(strategy)
-        with self._scope():
-            self.optimizer = self._make_optimizer(optimizer, strategy)
-            if (auto_scale_loss and self.dtype_policy.needs_loss_scaling
-                    and not isinstance(self.optimizer, LossScaleOptimizer)):
-                self.optimizer = LossScaleOptimizer(self.optimizer)
-            self.compiled_loss = LossesContainer(loss, loss_weights)
-            self._loss_tracker = td_metrics.Mean(name="loss")
-            self._output_loss_trackers = (
-                [td_metrics.Mean(name=f"{name}_loss") for name in self.compiled_loss.output_names]
-                if self.compiled_loss.multi_output and len(self.compiled_loss.output_names) > 1 else []
-            )
-            self.compiled_metrics = MetricsContainer(metrics, weighted_metrics, self.compiled_loss)
-        for metric in self.compiled_metrics.metrics:
-            # A metric made under a default strategy has no owner: fine only if the model's is default too.
-            owner = owner_of(metric)
-            if owner is not strategy and not (owner is None and strategy.is_default):
-                raise ContextError(
-                    f"Metric {metric.name!r} was created outside the model's strategy scope; create it inside "
-                    f"`with strategy.scope():` or pass its name (e.g. 'accuracy') and compile makes it there."
-                )
-        self.steps_per_execution = steps_per_execution
-        self._run_eagerly, self._jit_compile = run_eagerly, jit_compile
-        self._reset_step_functions()
-        self._compile_config = {
-            "loss": loss, "metrics": metrics, "loss_weights": loss_weights, "weighted_metrics": weighted_metrics,
-            "steps_per_execution": steps_per_execution, "auto_scale_loss": auto_scale_loss,
-            "run_eagerly": run_eagerly, "jit_compile": jit_compile,
-        }
-        self.compiled = True
+        check_autocast_devices(self.dtype_policy, strategy, [*self.parameters(), *self.buffers()])
+        with scope_of(strategy):
+            built = build_compiled(config, [p for p in self.parameters() if p.requires_grad], self.dtype_policy,
+                                   strategy, self.name)
+        check_metric_owners(built.metrics.metrics, strategy)
+        self.training_state.take_compiled(config, built)
 
     @property
     def run_eagerly(self) -> bool:
         """``True``: the steps never run compiled (``compile(run_eagerly=...)``; settable)."""
-        return self._run_eagerly
+        return self.training_state.run_eagerly
 
     @run_eagerly.setter
     def run_eagerly(self, value: bool) -> None:
-        _check_run_modes(value, self._jit_compile)
-        self._run_eagerly = value
-        self._reset_step_functions()
+        self.training_state.set_run_modes(value, self.training_state.jit_compile)
 
     @property
     def jit_compile(self) -> bool:
         """``True``: the steps run as ``td.function`` (``compile(jit_compile=...)``; settable, the
         next ``fit``/``evaluate``/``predict`` follows it)."""
-        return self._jit_compile
+        return self.training_state.jit_compile
 
     @jit_compile.setter
     def jit_compile(self, value: bool | str) -> None:
-        self._jit_compile = _check_run_modes(self._run_eagerly, value)
-        self._reset_step_functions()
-
-    def _check_policy(self, strategy: Any) -> None:
-        """Refuse a compute dtype the model's devices cannot autocast to."""
-        dtype = self.dtype_policy.autocast_dtype
-        if dtype is None:
-            return
-        if strategy.is_default:
-            devices = {t.device.type for t in [*self.parameters(), *self.buffers()]} or {"cpu"}
-        else:
-            devices = {d.type for d in strategy.extended.replica_devices}
-        for device_type in sorted(devices):
-            check_autocast(device_type, dtype)
-
-    def _make_optimizer(self, optimizer: Any, strategy: Any) -> torch.optim.Optimizer | LossScaleOptimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        if isinstance(optimizer, (torch.optim.Optimizer, LossScaleOptimizer)):
-            inner = optimizer.inner_optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
-            if not strategy.is_default and owner_of(inner) is not strategy:
-                raise UnmirroredStateError(
-                    f"The {type(optimizer).__name__} given to compile was created outside "
-                    f"{type(strategy).__name__}.scope(): gradients would not be summed across replicas. Create it "
-                    "inside the scope, or pass a name ('adam') or td.keras.optimizers.Adam(...) and compile "
-                    "creates it there."
-                )
-            return optimizer
-        if not params:
-            raise InvalidArgumentError(f"{self.name} has no trainable parameters to optimize.")
-        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-            return optimizer(params)
-        if isinstance(optimizer, (str, optimizers_module.OptimizerSpec)):
-            return optimizers_module.get(optimizer).build(params)
-        if callable(optimizer):
-            built = optimizer(params)
-            if not isinstance(built, torch.optim.Optimizer):
-                raise InvalidArgumentError(f"The optimizer factory returned {type(built).__name__}, not a torch.optim optimizer.")
-            return built
-        return optimizers_module.get(optimizer).build(params)  # raises with the valid names
+        self.training_state.set_run_modes(self.training_state.run_eagerly, value)
 
     def _assert_compiled(self, method: str) -> None:
         if not self.compiled:
@@ -346,60 +237,39 @@ class Model(nn.Module):
     @property
     def metrics(self) -> list[td_metrics.Metric]:
         """The loss tracker(s) then the compiled metrics (all sync-on-read)."""
-        if not self.compiled:
-            return []
-        return [self._loss_tracker, *self._output_loss_trackers, *self.compiled_metrics.metrics]
+        return self.training_state.metrics
 
     @property
     def metrics_names(self) -> list[str]:
+        """The names of ``metrics``, as ``evaluate`` orders its values."""
         return [m.name for m in self.metrics]
 
     def reset_metrics(self) -> None:
+        """Reset every metric's state (``fit`` does at each epoch, ``evaluate`` at its start)."""
         for metric in self.metrics:
             metric.reset_state()
 
-    # -- the per-replica steps -----------------------------------------------------------------------
-    def _replica_steps(self) -> ReplicaSteps:
-        """The steps ``strategy.run`` distributes, for what ``compile`` (and ``fit``) set."""
-        return ReplicaSteps(self, self.optimizer, self.compiled_loss, self.compiled_metrics,
-                            self._loss_tracker, self._output_loss_trackers, self._class_weight)
-
-    # -- the functions run for each batch ---------------------------------------------------------------
-    def _reset_step_functions(self) -> None:
-        self.train_function = self.test_function = self.predict_function = None
-
-    def _step_function(self, step: str) -> Callable[..., Any]:
-        """``f(steps, *args)``: ``strategy.run(steps.<step>, args)``, a ``td.function`` under
-        ``jit_compile`` (the replicas' steps compiled once per replica)."""
-        model = self
-
-        def run_step(steps: ReplicaSteps, *args: Any) -> Any:
-            return model.distribute_strategy.run(getattr(steps, step), args=args)
-
-        run_step.__name__ = run_step.__qualname__ = step.replace("_step", "_function")
-        return td_function(run_step) if self._jit_compile else run_step
-
-    def make_train_function(self, force: bool = False) -> Callable[..., Any]:
+    # -- the functions run for each batch, and the loops ------------------------------------------------
+    def make_train_function(self, force: bool = False) -> StepFunction:
         """``train_function(steps, batch, global_rows)``, what ``fit`` calls for each batch: made
         once (``force``: anew) and kept until ``compile`` or a change of ``jit_compile``."""
         if self.train_function is None or force:
-            self.train_function = self._step_function("train_step")
+            self.train_function = step_function(self, "train_step", self.jit_compile)
         return self.train_function
 
-    def make_test_function(self, force: bool = False) -> Callable[..., Any]:
+    def make_test_function(self, force: bool = False) -> StepFunction:
         """``test_function(steps, batch)``, what ``evaluate`` (and validation) call for each batch."""
         if self.test_function is None or force:
-            self.test_function = self._step_function("test_step")
+            self.test_function = step_function(self, "test_step", self.jit_compile)
         return self.test_function
 
-    def make_predict_function(self, force: bool = False) -> Callable[..., Any]:
+    def make_predict_function(self, force: bool = False) -> StepFunction:
         """``predict_function(steps, batch)``, what ``predict`` calls for each batch: the
         per-replica outputs."""
         if self.predict_function is None or force:
-            self.predict_function = self._step_function("predict_step")
+            self.predict_function = step_function(self, "predict_step", self.jit_compile)
         return self.predict_function
 
-    # -- fit -----------------------------------------------------------------------------------------
     def fit(
         self,
         x: Any = None,
@@ -438,13 +308,12 @@ class Model(nn.Module):
         """
         self._assert_compiled("fit")
         strategy = self._resolve_strategy()
-        training_loops.check_int("epochs", epochs, minimum=0)
-        training_loops.check_int("initial_epoch", initial_epoch, minimum=0)
-        training_loops.check_int("validation_freq", validation_freq, minimum=1)
-        self._class_weight = training_loops.class_weights(class_weight)
+        training_loops.check_fit_arguments(epochs, initial_epoch, validation_freq)
+        self.training_state.class_weight = training_loops.class_weights(class_weight)
+        replica_steps = self.training_state.replica_steps(self)
         if ps_loops.uses_coordinator(strategy):
             return ps_loops.fit_loop(
-                self, strategy, self._replica_steps(), x, jit_compile=self._jit_compile, epochs=epochs,
+                self, strategy, replica_steps, x, jit_compile=self.jit_compile, epochs=epochs,
                 verbose=verbose, callbacks=callbacks, validation_data=validation_data, initial_epoch=initial_epoch,
                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps, validation_freq=validation_freq,
                 y=y, batch_size=batch_size, sample_weight=sample_weight, validation_batch_size=validation_batch_size,
@@ -452,12 +321,11 @@ class Model(nn.Module):
         if validation_split and validation_data is None:
             x, y, sample_weight, validation_data = training_loops.split_validation(x, y, sample_weight, validation_split)
         return training_loops.fit_loop(
-            self, strategy, self._replica_steps(), x, y, sample_weight, batch_size=batch_size, epochs=epochs,
+            self, strategy, replica_steps, x, y, sample_weight, batch_size=batch_size, epochs=epochs,
             verbose=verbose, callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
             initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq)
 
-    # -- evaluate --------------------------------------------------------------------------------------
     def evaluate(
         self,
         x: Any = None,
@@ -482,13 +350,13 @@ class Model(nn.Module):
         ['loss', 'mae']
         """
         self._assert_compiled("evaluate")
-        strategy = self._resolve_strategy()
+        strategy, replica_steps = self._resolve_strategy(), self.training_state.replica_steps(self)
         if ps_loops.uses_coordinator(strategy):
-            logs = ps_loops.evaluate_loop(self, strategy, self._replica_steps(), x, jit_compile=self._jit_compile,
+            logs = ps_loops.evaluate_loop(self, strategy, replica_steps, x, jit_compile=self.jit_compile,
                                           verbose=verbose, num_steps=steps, callbacks=callbacks, y=y,
                                           batch_size=batch_size, sample_weight=sample_weight)
         else:
-            logs = training_loops.evaluate_loop(self, strategy, self._replica_steps(), x, y, sample_weight,
+            logs = training_loops.evaluate_loop(self, strategy, replica_steps, x, y, sample_weight,
                                                 batch_size=batch_size, verbose=verbose, num_steps=steps,
                                                 callbacks=callbacks)
         if return_dict:
@@ -496,7 +364,6 @@ class Model(nn.Module):
         values = [logs[name] for name in self.metrics_names]
         return values[0] if len(values) == 1 else values
 
-    # -- predict ---------------------------------------------------------------------------------------
     def predict(
         self,
         x: Any,
@@ -511,9 +378,9 @@ class Model(nn.Module):
         worker (ragged last batches included), so every worker gets the whole result. Not
         supported under ``ParameterServerStrategy`` (``InvalidArgumentError``, as in TensorFlow).
         """
-        strategy = self._resolve_strategy()
+        strategy, replica_steps = self._resolve_strategy(), self.training_state.replica_steps(self)
         ps_loops.check_predict(strategy)
-        return training_loops.predict_loop(self, strategy, self._replica_steps(), x, batch_size=batch_size,
+        return training_loops.predict_loop(self, strategy, replica_steps, x, batch_size=batch_size,
                                            verbose=verbose, num_steps=steps, callbacks=callbacks)
 
     # -- weights -----------------------------------------------------------------------------------------
@@ -522,14 +389,7 @@ class Model(nn.Module):
         """The module whose ``state_dict`` ``save_weights`` writes: ``module``, or the model itself."""
         return self.module if self.module is not None else self
 
-    def _weight_names(self) -> list[list[str]]:
-        """The state_dict's names, one list per tensor (tied weights are one tensor), in order."""
-        groups: dict[int, list[str]] = {}
-        for name, value in self.weights_module.state_dict(keep_vars=True).items():
-            groups.setdefault(id(value), []).append(name)
-        return list(groups.values())
-
-    def get_weights(self) -> list[Any]:
+    def get_weights(self) -> list[np.ndarray]:
         """Every weight as a numpy array, in Keras' order: each layer's parameters then its
         buffers (``state_dict`` order; tied weights once). Under ``FullyShardedStrategy`` the
         whole arrays (call it on every worker: it gathers the shards).
@@ -542,33 +402,12 @@ class Model(nn.Module):
         >>> float(model.module.weight.sum())
         0.0
         """
-        state = self.weights_module.state_dict()
-        arrays = []
-        for names in self._weight_names():
-            tensor = state[names[0]]
-            full = getattr(tensor, "full_tensor", None)
-            arrays.append((full() if callable(full) else tensor).detach().cpu().numpy().copy())  # not a view
-        return arrays
+        return model_saving.get_weights(self.weights_module)
 
-    def set_weights(self, weights: Sequence[Any]) -> None:
+    def set_weights(self, weights: Sequence[npt.ArrayLike]) -> None:
         """Set every weight from arrays (or tensors) in ``get_weights``' order and shapes; under a
         strategy every replica (or shard) gets them, as ``load_weights`` does."""
-        groups = self._weight_names()
-        if isinstance(weights, (str, bytes)) or len(weights) != len(groups):
-            raise InvalidArgumentError(
-                f"set_weights expects {len(groups)} arrays (get_weights' order), got "
-                f"{len(weights) if not isinstance(weights, (str, bytes)) else type(weights).__name__}.")
-        state = self.weights_module.state_dict()
-        values: dict[str, Any] = {}
-        for names, array in zip(groups, weights, strict=True):
-            current = state[names[0]]
-            value = torch.as_tensor(array).to(dtype=current.dtype)
-            if tuple(value.shape) != tuple(current.shape):
-                raise InvalidArgumentError(
-                    f"set_weights: {names[0]} has shape {tuple(current.shape)}, got an array of shape "
-                    f"{tuple(value.shape)}.")
-            values.update(dict.fromkeys(names, value))
-        Checkpoint(model=self.weights_module).load_state_dict({"save_counter": 0, "objects": {"model": values}})
+        model_saving.set_weights(self.weights_module, weights)
 
     def save_weights(self, filepath: str, include_optimizer: bool = False) -> str:
         """Write the weights (and the optimizer state) to ``filepath`` as a ``td.Checkpoint`` file.
@@ -580,10 +419,7 @@ class Model(nn.Module):
         ``filepath``. Returns ``filepath``. Raises ``CheckpointError`` on every worker if the
         chief's write fails.
         """
-        objects: dict[str, Any] = {"model": self.weights_module}
-        if include_optimizer and self.optimizer is not None:
-            objects["optimizer"] = self.optimizer
-        return Checkpoint(**objects).write(filepath)
+        return model_saving.save_weights(self.weights_module, self.optimizer if include_optimizer else None, filepath)
 
     def load_weights(self, filepath: str) -> None:
         """Load weights written by ``save_weights``, ``ModelCheckpoint`` or ``save`` (any strategy
@@ -593,10 +429,7 @@ class Model(nn.Module):
         ``CheckpointError`` naming it. The optimizer state loads only into an optimizer with
         the same parameter groups and parameters (else ``CheckpointError``).
         """
-        objects: dict[str, Any] = {"model": self.weights_module}
-        if self.optimizer is not None:
-            objects["optimizer"] = self.optimizer  # left as it is when the file has no optimizer
-        Checkpoint(**objects).read(filepath)
+        model_saving.load_weights(self.weights_module, self.optimizer, filepath)
 
     def save(self, filepath: str | os.PathLike[str], overwrite: bool = True, include_optimizer: bool = True) -> str:
         """Save the whole model to the file ``filepath``: ``td.keras.models.load_model`` rebuilds it.
@@ -623,76 +456,12 @@ class Model(nn.Module):
         filepath = os.fspath(filepath)
         if not isinstance(overwrite, bool) or not isinstance(include_optimizer, bool):
             raise InvalidArgumentError("overwrite and include_optimizer must be True or False.")
-        if not overwrite and os.path.exists(filepath):
-            raise InvalidArgumentError(f"{filepath!r} exists and overwrite=False: pass overwrite=True or another path.")
-        record: dict[str, Any] = {"model": saving.encode(self, f"the model {type(self).__qualname__}"),
-                                  "compile": None, "optimizer": None}
-        objects: dict[str, Any] = {"model": self.weights_module}
-        if include_optimizer and self.compiled:
-            try:
-                record["compile"] = saving.encode(self._compile_config, "compile()'s arguments")
-                record["optimizer"] = saving.optimizer_record(self.optimizer, self.named_parameters())
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(
-                    f"{exc} Or save with include_optimizer=False: the weights and the architecture only "
-                    "(compile again after loading)."
-                ) from exc
-            objects["optimizer"] = self.optimizer
-        objects["keras_model"] = saving.ConfigRecord(record)
-        return Checkpoint(**objects).write(filepath)
+        state = self.training_state
+        compile_config = state.compile_config if include_optimizer and state.compiled else None
+        return model_saving.save_model(self, self.weights_module, filepath, overwrite=overwrite,
+                                       optimizer=state.optimizer, compile_config=compile_config)
 
     def summary(self, print_fn: Callable[[str], Any] = print) -> None:
         """Print each top-level layer with its parameter count, and the totals."""
-        module = self.weights_module
-        rows = [(name or "(model)", type(child).__name__, sum(p.numel() for p in child.parameters()))
-                for name, child in (module.named_children() if list(module.children()) else [("", module)])]
-        total = sum(p.numel() for p in module.parameters())
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        width = max([len(f"{n} ({t})") for n, t, _ in rows] + [20])
-        lines = [f'Model: "{self.name}"', "-" * (width + 16), f"{'Layer (type)':<{width}}  {'Param #':>12}",
-                 "=" * (width + 16)]
-        lines += [f"{f'{n} ({t})':<{width}}  {c:>12,}" for n, t, c in rows]
-        lines += ["=" * (width + 16), f"Total params: {total:,}", f"Trainable params: {trainable:,}",
-                  f"Non-trainable params: {total - trainable:,}"]
-        for line in lines:
+        for line in model_summary.summary_lines(self.name, self.weights_module):
             print_fn(line)
-
-
-def _adopt(module: Any) -> None:
-    """Check that ``module`` can train, and hand it to the strategy whose scope we are in when
-    it was made elsewhere (``torch.load`` of a whole module, ``load_model`` outside the scope)."""
-    if isinstance(module, torch.export.ExportedProgram) or (isinstance(module, nn.Module) and not _trains(module)):
-        raise InvalidArgumentError(
-            f"td.keras.Model cannot train a {type(module).__name__} (an ExportedProgram, or its .module(), is a "
-            "graph for inference: it does not support train()). To fine-tune, rebuild the module and load the "
-            "weights into it: module.load_state_dict(torch.export.load(path).module().state_dict()), or save "
-            "the model with model.save(path) and load it with td.keras.models.load_model(path).")
-    if not isinstance(module, nn.Module):
-        raise InvalidArgumentError(f"td.keras.Model wraps a torch.nn.Module, got {type(module).__name__}.")
-    first = next(iter([*module.parameters(), *module.buffers()]), None)
-    if first is not None and owner_of(first) is None and not isinstance(module, torch.jit.ScriptModule):
-        capture_module(module)  # nothing outside every scope
-
-
-def _trains(module: nn.Module) -> bool:
-    """Whether ``module.train()`` works (an exported program's module raises)."""
-    try:
-        module.train(module.training)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _check_run_modes(run_eagerly: Any, jit_compile: Any) -> bool:
-    """``jit_compile`` resolved (``"auto"`` is ``False``, as on Keras' torch backend), after
-    checking both values and that they do not contradict each other."""
-    if not isinstance(run_eagerly, bool):
-        raise InvalidArgumentError(f"run_eagerly must be True or False, got {run_eagerly!r}.")
-    if not (isinstance(jit_compile, bool) or (isinstance(jit_compile, str) and jit_compile == "auto")):
-        raise InvalidArgumentError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
-    if run_eagerly and jit_compile is True:
-        raise InvalidArgumentError(
-            "run_eagerly=True and jit_compile=True contradict each other: run_eagerly=True runs the "
-            "steps eagerly, jit_compile=True compiles them with td.function. Pick one."
-        )
-    return jit_compile is True

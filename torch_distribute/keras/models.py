@@ -66,7 +66,7 @@ def load_model(filepath: str | os.PathLike[str], custom_objects: Mapping[str, An
             f"{filepath!r} holds weights but no model (it was written by save_weights or a Checkpoint): "
             "build the model and call model.load_weights(path), or save it with model.save(path)."
         )
-    record = holders["keras_model"].value
+    record = holders["keras_model"].state_dict()
     compiled = compile and record["compile"] is not None
     named = saving.named_paths(record["model"])
     if compiled:

@@ -1,4 +1,5 @@
-"""The per-replica steps of ``td.keras.Model`` that ``strategy.run`` distributes.
+"""The per-replica steps of ``td.keras.Model`` that ``strategy.run`` distributes, and the
+functions that run one on every replica for each batch (``step_function``).
 
 Each replica trains (or tests, or predicts) on its rows of a global batch; in training its
 loss is its rows' share of the mean over the *global* batch, so summing the gradients over
@@ -14,18 +15,29 @@ torch.Size([4, 3])
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from torch_distribute import metrics as td_metrics
 from torch_distribute import nest
+from torch_distribute.compiled_function import function as td_function
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.keras.compile_utils import LossesContainer, MetricsContainer
 from torch_distribute.keras.data_adapter import unpack
 from torch_distribute.mixed_precision import LossScaleOptimizer
 
-__all__ = ["ReplicaSteps"]
+__all__ = ["ReplicaSteps", "StepFunction", "step_function"]
+
+# ``fn(steps, *batch_args)``: ``strategy.run`` of one of ``steps``' methods (``step_function``).
+StepFunction = Callable[..., Any]
+
+
+class _Distributed(Protocol):
+    """What ``step_function`` reads of a model: the strategy it belongs to."""
+
+    @property
+    def distribute_strategy(self) -> Any: ...
 
 
 class ReplicaSteps:
@@ -41,7 +53,7 @@ class ReplicaSteps:
     def __init__(
         self,
         model: Callable[..., Any],
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | LossScaleOptimizer | None = None,
         loss: LossesContainer | None = None,
         metrics: MetricsContainer | None = None,
         loss_tracker: td_metrics.Mean | None = None,
@@ -77,6 +89,11 @@ class ReplicaSteps:
             tracker.update_state(values.detach())
         self.metrics.update_state(y, nest.map_structure(torch.Tensor.detach, y_pred), sample_weight)
 
+    def _compiled_loss(self) -> LossesContainer:
+        if self.loss is None:
+            raise InvalidArgumentError("train_step and test_step need the loss: ReplicaSteps(model, loss=...).")
+        return self.loss
+
     def train_step(self, batch: Any, global_rows: int) -> None:
         """One optimizer step on this replica's rows of a global batch of ``global_rows`` rows."""
         x, y, sample_weight = unpack(batch)
@@ -84,7 +101,7 @@ class ReplicaSteps:
             raise InvalidArgumentError("fit needs targets: pass y=, or batches of (x, y).")
         y_pred = self.call(x)
         weight = self.weights_for(y, sample_weight)
-        total, parts = self.loss(y, y_pred, weight)
+        total, parts = self._compiled_loss()(y, y_pred, weight)
         # This replica's share of the mean over the global batch: gradients are summed over replicas.
         loss = total.sum() / global_rows if global_rows else total.sum() * 0.0
         if isinstance(self.optimizer, LossScaleOptimizer):
@@ -102,7 +119,7 @@ class ReplicaSteps:
         with torch.no_grad():
             y_pred = self.call(x)
             weight = self.weights_for(y, sample_weight)
-            total, parts = self.loss(y, y_pred, weight)
+            total, parts = self._compiled_loss()(y, y_pred, weight)
             self.update_trackers(total, parts, y, y_pred, weight)
 
     def predict_step(self, batch: Any) -> Any:
@@ -111,3 +128,14 @@ class ReplicaSteps:
         with torch.no_grad():
             return self.call(x)
 
+
+def step_function(model: _Distributed, step: str, compiled: bool) -> StepFunction:
+    """``f(steps, *args)``: ``model.distribute_strategy.run(steps.<step>, args)``, named after
+    ``step`` (``"train_step"`` gives ``train_function``); with ``compiled``, a ``td.function``
+    (the replicas' steps compiled once per replica)."""
+
+    def run_step(steps: ReplicaSteps, *args: object) -> Any:
+        return model.distribute_strategy.run(getattr(steps, step), args=args)
+
+    run_step.__name__ = run_step.__qualname__ = step.replace("_step", "_function")
+    return td_function(run_step) if compiled else run_step

@@ -37,9 +37,11 @@ from torch_distribute.keras.callbacks.history import History
 from torch_distribute.keras.callbacks.progbar_logger import ProgbarLogger
 from torch_distribute.keras.data_adapter import DataHandler, make_handler
 from torch_distribute.keras.replica_steps import ReplicaSteps
+from torch_distribute.mixed_precision import LossScaleOptimizer
 
 __all__ = [
     "TrainableModel",
+    "check_fit_arguments",
     "check_int",
     "class_weights",
     "evaluate_loop",
@@ -56,7 +58,7 @@ class TrainableModel(Protocol):
 
     stop_training: bool
     history: History | None
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer | LossScaleOptimizer | None
     steps_per_execution: int
 
     @property
@@ -316,6 +318,13 @@ def check_int(name: str, value: Any, minimum: int) -> None:
     """Raise ``InvalidArgumentError`` unless ``value`` is an ``int`` (not a ``bool``) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def check_fit_arguments(epochs: object, initial_epoch: object, validation_freq: object) -> None:
+    """``check_int`` on ``fit``'s counts, whatever the strategy."""
+    check_int("epochs", epochs, minimum=0)
+    check_int("initial_epoch", initial_epoch, minimum=0)
+    check_int("validation_freq", validation_freq, minimum=1)
 
 
 def _warn_ran_out(epoch: int) -> None:
