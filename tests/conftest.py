@@ -1,16 +1,23 @@
-"""Marks every test of a module that starts processes ``serial``.
+"""Marks every test that starts processes ``serial``.
 
 ``make test`` runs the suite in two passes: ``-m "not serial" -n 2`` (in-process tests on two
 pytest-xdist workers: much of their time is single-threaded Python, import and compilation)
 and then ``-m serial`` alone, so that tests starting worker processes (two or three per job,
-with deadlines and heartbeats) keep both cores and their timing. A module is serial when
-its source starts processes in any of the ways below; a new test file that does gets the
-mark by itself. ``pytestmark = pytest.mark.serial`` marks one by hand.
+with deadlines and heartbeats) keep both cores and their timing.
+
+A test is serial when the code it reaches starts processes in one of the ways below: its own
+body, the fixtures it asks for, and the functions they call that are defined in the tests
+(followed through their names, so ``_run_job()`` calling ``subprocess.run`` counts, and an
+in-process test in the same file as a multi-process one does not). Where the code cannot be
+read, the test is serial. ``pytestmark = pytest.mark.serial`` marks a module by hand.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import types
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -18,19 +25,91 @@ import pytest
 
 STARTS_PROCESSES = re.compile(
     r"\b(subprocess|Popen|proc_helpers|mw_helpers|multiprocessing|run_local_cluster"
-    r"|create_in_process_cluster|launcher import|mpirun|srun|ray)\b"
+    r"|create_in_process_cluster|launcher import|launch|mpirun|srun|ray"
+    r"|getfixturevalue)\b"  # a fixture chosen at run time: cannot be followed
 )
+TESTS = Path(__file__).resolve().parent
+
+
+def _defined_in_tests(obj: object) -> bool:
+    try:
+        return Path(inspect.getfile(obj)).resolve().is_relative_to(TESTS)  # type: ignore[arg-type]
+    except (TypeError, OSError):
+        return False
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _unwrap(obj: object) -> object:
+    """A pytest fixture's own function (pytest 8.4+ wraps it in a definition object)."""
+    for attr in ("_get_wrapped_function", "__wrapped__"):
+        inner = getattr(obj, attr, None)
+        if callable(inner) and attr == "_get_wrapped_function":
+            return inner()
+        if inner is not None:
+            return inner
+    return obj
 
 
 @cache
-def _starts_processes(path: Path) -> bool:
-    try:
-        return bool(STARTS_PROCESSES.search(path.read_text(encoding="utf-8")))
-    except OSError:
+def _starts_processes(function: types.FunctionType) -> bool:
+    """Whether ``function`` or a function of the tests it names starts processes."""
+    seen: set[types.FunctionType] = set()
+    pending = [function]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            source = inspect.getsource(current)
+        except (OSError, TypeError):
+            return True
+        if STARTS_PROCESSES.search(source):
+            return True
+        names = {name for code in _code_objects(current.__code__) for name in code.co_names}
+        namespaces = [current.__globals__] + [
+            vars(value) for name in names
+            if isinstance(value := current.__globals__.get(name), types.ModuleType) and _defined_in_tests(value)
+        ]  # `H.run_job()` with `import mw_helpers as H`
+        for namespace in namespaces:
+            for name in names:
+                pending.extend(_functions_in_tests(namespace.get(name)))
+    return False
+
+
+def _functions_in_tests(obj: object) -> list[types.FunctionType]:
+    obj = _unwrap(getattr(obj, "__func__", obj))
+    if isinstance(obj, type) and _defined_in_tests(obj):
+        return [v for v in vars(obj).values() if isinstance(v, types.FunctionType)]
+    if isinstance(obj, types.FunctionType) and _defined_in_tests(obj):
+        return [obj]
+    return []
+
+
+def _fixture_functions(item: pytest.Function) -> Iterator[types.FunctionType]:
+    for name in item.fixturenames:
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):  # pytest has no public accessor
+            function = _unwrap(definition.func)
+            if isinstance(function, types.FunctionType) and _defined_in_tests(function):
+                yield function
+
+
+def _is_serial(item: pytest.Item) -> bool:
+    if not isinstance(item, pytest.Function):
         return True
+    functions = _functions_in_tests(item.cls if item.cls is not None else item.obj)
+    if not functions:
+        return True
+    return any(_starts_processes(f) for f in [*functions, *_fixture_functions(item)])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if _starts_processes(Path(str(item.path))):
+        if _is_serial(item):
             item.add_marker(pytest.mark.serial)
