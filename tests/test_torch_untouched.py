@@ -255,3 +255,27 @@ def test_every_entry_is_complete() -> None:
         assert all((change.target, change.change, change.why, change.installed, change.undone, change.code))
         _resolve(change.code)
     assert torch_patches.TORCH_VERSIONS_CHECKED
+
+
+def test_td_function_changes_torch_logging_and_dynamo_only_while_one_that_compiled_lives() -> None:
+    import gc
+
+    import torch_distribute as td
+    from torch_distribute import compiled_function
+
+    cudagraph_log = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+    ours = compiled_function._cudagraph_skips
+    others = ours in cudagraph_log.handlers  # another td.function that compiled lives (then all stays)
+    add_one = td.function(lambda x: x + 1)
+    add_one(torch.ones(2))  # the first call learns that it calls no strategy.run
+    assert torch.equal(add_one(torch.ones(2)), torch.full((2,), 2.0))  # compiled
+    assert cudagraph_log.handlers.count(ours) == 1
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    compiled_function._settings.allow_graphs_for(limit)  # what strategy.run asks for that many replicas
+    assert config.recompile_limit > limit
+    del add_one
+    for _ in range(3):
+        gc.collect()
+    assert (ours in cudagraph_log.handlers) is others
+    assert (config.recompile_limit == limit) is not others

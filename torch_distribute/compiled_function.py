@@ -114,17 +114,21 @@ class _ProcessSettings:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._functions: weakref.WeakSet[Function] = weakref.WeakSet()
+        self._functions: weakref.WeakSet[Function] = weakref.WeakSet()  # those that compiled
+        # One per function that compiled, alive while it lives (a WeakSet still counts an
+        # object while its finalizers run).
+        self._finalizers: list[weakref.finalize[Any, Any]] = []
         self._limit: tuple[str, int, int] | None = None  # (dynamo's name, before, ours)
 
     def compiling(self, function: Function) -> None:
         with self._lock:
             if function in self._functions:
                 return
-            if not self._functions:
-                logging.getLogger(_CUDAGRAPH_LOGGER).addHandler(_cudagraph_skips)
+            logging.getLogger(_CUDAGRAPH_LOGGER).addHandler(_cudagraph_skips)  # once: a no-op if there
             self._functions.add(function)
-            weakref.finalize(function, self._function_gone)
+            finalizer = weakref.finalize(function, self._function_gone)
+            finalizer.atexit = False  # nothing to undo at exit
+            self._finalizers[:] = [f for f in self._finalizers if f.alive] + [finalizer]
 
     def allow_graphs_for(self, replicas: int) -> None:
         config = torch._dynamo.config
@@ -139,11 +143,12 @@ class _ProcessSettings:
 
     def _function_gone(self) -> None:
         # A finalizer: any thread, any time. Give up rather than wait for the lock.
-        if self._functions or not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(blocking=False):
             return
         try:
-            if self._functions:
+            if any(f.alive for f in self._finalizers):
                 return
+            self._finalizers.clear()
             logging.getLogger(_CUDAGRAPH_LOGGER).removeHandler(_cudagraph_skips)
             if self._limit is not None:
                 name, before, ours = self._limit
@@ -194,7 +199,7 @@ class Function:
         self._fullgraph = bool(fullgraph)
         self._dynamic = dynamic
         self._inductors: dict[tuple[str | None, bool], Any] = {}
-        self._graphs = 0
+        self._graphs: list[None] = []  # one entry per graph compiled (appending is atomic)
         self._lock = threading.RLock()
         self._calls_run: bool | None = None  # learnt on the first call
         self._compiled: weakref.WeakKeyDictionary[Any, dict[tuple[str | None, bool], Callable[..., Any]]] = (
@@ -245,9 +250,10 @@ class Function:
                 inductor = self._inductors[mode, cpp_wrapper] = torch._TorchCompileInductorWrapper(
                     mode, options, self._compile_dynamic())
 
+        graphs = self._graphs  # not self: dynamo's cache keeps the backend as long as the code
+
         def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            with self._lock:
-                self._graphs += 1
+            graphs.append(None)
             return inductor(graph, example_inputs)
 
         return count_and_compile
@@ -324,7 +330,7 @@ class Function:
 
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
-        return self._graphs
+        return len(self._graphs)
 
 
 def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
