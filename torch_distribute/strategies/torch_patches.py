@@ -1,6 +1,7 @@
 """Every change the package makes to torch, to the process and to the interpreter, in one table.
 
-Importing ``torch_distribute`` changes none of them (``tests/test_torch_untouched.py``). Each
+Importing ``torch_distribute`` changes none of them (``tests/test_torch_untouched.py``; what
+it does set is its own: the ``torch_distribute`` logger's level from ``TD_LOG_LEVEL``). Each
 is made when the feature that needs it is first used (``installed``) and undone, where that is
 sound, when its last user is gone (``undone`` says when, or why not). Where torch has a public
 hook, that is used instead (``TORCH_HOOKS_USED``); ``PATCHES`` are the torch objects replaced
