@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from torch_distribute import nest
+from torch_distribute.eager import watch_for_compiler
 from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.input.element_spec import TensorSpec
 from torch_distribute.values import DistributedValues
@@ -97,7 +98,69 @@ class _CudagraphSkips(logging.Handler):
 
 
 # torch logs these on an artifact logger; a handler of our own sees them without TORCH_LOGS.
-logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs").addHandler(_CudagraphSkips())
+_CUDAGRAPH_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
+_cudagraph_skips = _CudagraphSkips()
+# Graphs dynamo keeps per code object before it gives up and runs it eagerly: each replica
+# needs its own (and one more for a ragged last batch), so the limit grows with the replicas.
+_GRAPHS_PER_REPLICA = 8
+
+
+class _ProcessSettings:
+    """What ``td.function`` changes outside itself (``strategies/torch_patches.py`` lists it):
+    the handler on inductor's CUDA-graph logger, added when the first ``Function`` compiles,
+    and dynamo's recompile limit, raised for several replicas (``allow_graphs_for``). Both are
+    put back when the last ``Function`` that compiled is gone: the limit only if nobody changed
+    it since."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._functions: weakref.WeakSet[Function] = weakref.WeakSet()  # those that compiled
+        # One per function that compiled, alive while it lives (a WeakSet still counts an
+        # object while its finalizers run).
+        self._finalizers: list[weakref.finalize[Any, Any]] = []
+        self._limit: tuple[str, int, int] | None = None  # (dynamo's name, before, ours)
+
+    def compiling(self, function: Function) -> None:
+        with self._lock:
+            if function in self._functions:
+                return
+            logging.getLogger(_CUDAGRAPH_LOGGER).addHandler(_cudagraph_skips)  # once: a no-op if there
+            self._functions.add(function)
+            finalizer = weakref.finalize(function, self._function_gone)
+            finalizer.atexit = False  # nothing to undo at exit
+            self._finalizers[:] = [f for f in self._finalizers if f.alive] + [finalizer]
+
+    def allow_graphs_for(self, replicas: int) -> None:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        wanted = _GRAPHS_PER_REPLICA * replicas
+        with self._lock:
+            current = getattr(config, name)
+            if current < wanted:
+                setattr(config, name, wanted)
+                before = current if self._limit is None else self._limit[1]
+                self._limit = (name, before, wanted)
+
+    def _function_gone(self) -> None:
+        # A finalizer: any thread, any time. Give up rather than wait for the lock.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if any(f.alive for f in self._finalizers):
+                return
+            self._finalizers.clear()
+            logging.getLogger(_CUDAGRAPH_LOGGER).removeHandler(_cudagraph_skips)
+            if self._limit is not None:
+                name, before, ours = self._limit
+                config = torch._dynamo.config
+                if getattr(config, name) == ours:
+                    setattr(config, name, before)
+                self._limit = None
+        finally:
+            self._lock.release()
+
+
+_settings = _ProcessSettings()
 
 
 class Function:
@@ -111,6 +174,8 @@ class Function:
     ``experimental_get_tracing_count()`` is the number of graphs compiled so far, every
     replica's included (TensorFlow counts traces; a graph break makes two graphs).
     """
+
+    __name__: str  # with the rest of ``fn``'s metadata, from functools.update_wrapper
 
     def __init__(self, fn: Callable[..., Any], mode: str | None = None, fullgraph: bool = False,
                  dynamic: bool | None = None, input_signature: Sequence[Any] | None = None):
@@ -134,7 +199,7 @@ class Function:
         self._fullgraph = bool(fullgraph)
         self._dynamic = dynamic
         self._inductors: dict[tuple[str | None, bool], Any] = {}
-        self._graphs = 0
+        self._graphs: list[None] = []  # one entry per graph compiled (appending is atomic)
         self._lock = threading.RLock()
         self._calls_run: bool | None = None  # learnt on the first call
         self._compiled: weakref.WeakKeyDictionary[Any, dict[tuple[str | None, bool], Callable[..., Any]]] = (
@@ -185,9 +250,10 @@ class Function:
                 inductor = self._inductors[mode, cpp_wrapper] = torch._TorchCompileInductorWrapper(
                     mode, options, self._compile_dynamic())
 
+        graphs = self._graphs  # not self: dynamo's cache keeps the backend as long as the code
+
         def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            with self._lock:
-                self._graphs += 1
+            graphs.append(None)
             return inductor(graph, example_inputs)
 
         return count_and_compile
@@ -227,16 +293,18 @@ class Function:
     def compiled(self, fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
         """``fn`` compiled with this function's options (once per function object and mode),
         for replicas on ``devices`` (None: not known)."""
-        target, owner = (fn.__func__, fn.__self__) if hasattr(fn, "__func__") else (fn, None)
+        target, owner = (fn.__func__, getattr(fn, "__self__", None)) if hasattr(fn, "__func__") else (fn, None)
         mode = self._mode_for(devices)
         key = (mode, _replica_threads_on_cpu(devices))
         with self._lock:
             by_key = self._compiled.setdefault(target, {})
             attributed = by_key.get(key)
             if attributed is None:
+                _settings.compiling(self)
                 attributed = by_key[key] = self._attributed(
                     torch.compile(target, backend=self._backend(*key), fullgraph=self._fullgraph,
                                   dynamic=self._compile_dynamic()))
+                watch_for_compiler()  # dynamo is loaded now: our eager wrappers stay eager
         return attributed if owner is None else functools.partial(attributed, owner)
 
     def _attributed(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -262,12 +330,12 @@ class Function:
 
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
-        return self._graphs
+        return len(self._graphs)
 
 
 def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
     """Whether the graphs run in several CPU replica threads: built to release the GIL."""
-    return bool(devices) and len(devices) > 1 and all(d.type == "cpu" for d in devices)
+    return devices is not None and len(devices) > 1 and all(d.type == "cpu" for d in devices)
 
 
 def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, fullgraph: bool = False,
@@ -278,19 +346,6 @@ def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, f
     return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
 
 
-# Graphs dynamo keeps per code object before it gives up and runs it eagerly: each replica
-# needs its own (and one more for a ragged last batch), so the limit grows with the replicas.
-_GRAPHS_PER_REPLICA = 8
-
-
-def _allow_graphs_for(replicas: int) -> None:
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    wanted = _GRAPHS_PER_REPLICA * replicas
-    if getattr(config, name) < wanted:
-        setattr(config, name, wanted)
-
-
 def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
     """What ``strategy.run`` should run for ``fn`` on replicas on ``devices`` (this process's):
     compiled inside a ``td.function`` call."""
@@ -298,5 +353,5 @@ def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | Non
         return fn
     call = _active.calls[-1]
     call.runs += 1
-    _allow_graphs_for(len(devices) if devices else 1)
+    _settings.allow_graphs_for(len(devices) if devices else 1)
     return call.function.compiled(fn, devices)

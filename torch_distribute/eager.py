@@ -8,8 +8,11 @@ made on first use.
 
 Dynamo never traces the wrapper: it carries the mark dynamo gives disabled functions (so a
 compiled caller breaks its graph before the call instead of inlining it), and the wrapper's
-code is registered as skipped the moment dynamo is imported (so the eager call after that
-break is not compiled either, exactly as with ``torch.compiler.disable``).
+code is registered as skipped before dynamo can meet it (so the eager call after that break
+is not compiled either, exactly as with ``torch.compiler.disable``). Importing this module
+changes nothing: ``watch_for_compiler`` registers it, at once if dynamo is loaded, else the
+moment dynamo is imported; the first strategy, ``td.function`` and the first call of a
+wrapper call it (``strategies/torch_patches.py`` lists it).
 
 Example::
 
@@ -27,6 +30,7 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
@@ -37,6 +41,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _DYNAMO = "torch._dynamo"
 _wrapper_code_skipped = False
+_watch_lock = threading.Lock()
+_watcher: _WhenDynamoIsImported | None = None
 
 
 def never_compiled(fn: F) -> F:
@@ -47,8 +53,11 @@ def never_compiled(fn: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal disabled
         if _DYNAMO not in sys.modules:
+            if _watcher is None:
+                watch_for_compiler()
             return fn(*args, **kwargs)
         if disabled is None:
+            watch_for_compiler()
             disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
@@ -93,7 +102,14 @@ class _WhenDynamoIsImported(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _DYNAMO in sys.modules:
-    _skip_wrapper_code()
-else:
-    sys.meta_path.insert(0, _WhenDynamoIsImported())
+def watch_for_compiler() -> None:
+    """Make sure dynamo never compiles a frame of a ``never_compiled`` wrapper: tell it now if
+    ``torch._dynamo`` is loaded, else right after it is imported (a finder on ``sys.meta_path``,
+    which takes itself out then). Idempotent, thread-safe."""
+    global _watcher
+    with _watch_lock:
+        if _DYNAMO in sys.modules:
+            _skip_wrapper_code()
+        elif _watcher is None:
+            _watcher = _WhenDynamoIsImported()
+            sys.meta_path.insert(0, _watcher)

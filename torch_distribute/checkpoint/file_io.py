@@ -83,11 +83,6 @@ DCP_METADATA = ".metadata"
 FORMAT = "torch-distribute-checkpoint"
 VERSION = 1
 
-# Permissions for new files: mkstemp creates 0600, torch.save would honour the umask.
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-_FILE_MODE = 0o666 & ~_UMASK
-
 _CHECKSUM_MAGIC = b"torch-distribute:sha256:"
 _CHECKSUM_LEN = len(_CHECKSUM_MAGIC) + 64  # the archive comment: magic + 64 hex digits
 _EOCD = b"PK\x05\x06"  # zip end-of-central-directory record: 22 bytes + the comment
@@ -99,6 +94,24 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TEMPORARY = re.compile(
     r"^\.(?P<target>.+)\.td-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)(?:-[a-z0-9_]+\.tmp|\.partial)$")
 _LEGACY_PARTIAL = re.compile(r"^\.(?P<target>.+)\.partial$")  # sharded, before pids were named
+
+
+def _file_mode() -> int:
+    """Permissions for a new file: mkstemp creates 0600, torch.save would honour the umask.
+
+    The umask is read from ``/proc`` where there is one; elsewhere it can only be read by
+    setting it, which is done here, at a write, and undone at once (never at import:
+    ``strategies/torch_patches.py``)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -228,7 +241,7 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> Any:
             result = write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _FILE_MODE)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException as error:
         with contextlib.suppress(OSError):

@@ -79,10 +79,11 @@ def remember_store(host: str, port: int) -> None:
 # Every thread that calls into torch's store (C++) with a deadline of its own. One still
 # blocked there when the interpreter finalizes aborts the process the moment its call returns
 # (pybind11 meets pthread_exit: "terminate called without an active exception", SIGABRT),
-# whatever the program's status was. _end_before_teardown, registered when this module is
-# imported (by worker_group.py) and so run after every atexit handler registered later
-# (WorkerGroup._at_exit among them), wakes those calls (store_sockets.py) or, failing that,
-# ends the process itself.
+# whatever the program's status was. _end_before_teardown, registered when the first group
+# starts (before its first store thread and its own _at_exit) and so run after every atexit
+# handler registered later (every WorkerGroup._at_exit among them), wakes those calls
+# (store_sockets.py) or, failing that, ends the process itself. Not at import: importing the
+# package leaves the interpreter's exit as it was (strategies/torch_patches.py).
 _STORE_THREADS: list[threading.Thread] = []
 # (the store's addresses, its port) of every group made in this process: whom the calls wait on.
 _STORES: list[tuple[list[str], int]] = []
@@ -137,4 +138,11 @@ def _note(message: str) -> None:
         pass
 
 
-atexit.register(_end_before_teardown)
+def register_end_before_teardown() -> None:
+    """Register ``_end_before_teardown`` with ``atexit``, once: when the first group starts."""
+    if not _END_REGISTERED:
+        atexit.register(_end_before_teardown)
+        _END_REGISTERED.append(True)
+
+
+_END_REGISTERED: list[bool] = []

@@ -46,7 +46,7 @@ from torch_distribute.collectives.group_collectives import GroupCollectives
 from torch_distribute.collectives.group_rendezvous import Rendezvous
 from torch_distribute.collectives.liveness import Liveness, MissingWorkers
 from torch_distribute.collectives.membership import Membership
-from torch_distribute.collectives.store_threads import StoreThreads
+from torch_distribute.collectives.store_threads import StoreThreads, register_end_before_teardown
 from torch_distribute.errors import ReplicaMismatchError, WorkerUnavailableError
 
 __all__ = ["Agreement", "MissingWorkers", "Probe", "WorkerGroup"]
@@ -77,6 +77,7 @@ class WorkerGroup:
         strategy: str = "",
         peer_addresses: Sequence[str] = (),
     ):
+        register_end_before_teardown()
         self.options = options
         self._closed = False
         self.run_count = 0  # strategy.run calls (begin_run): part of the gradient buckets' signature

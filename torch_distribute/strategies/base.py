@@ -64,7 +64,7 @@ from torch_distribute.input import (
     ValueContext,
 )
 from torch_distribute.reduce_op import ReduceOp
-from torch_distribute.strategies import interception, loss_scaling
+from torch_distribute.strategies import interception, loss_scaling, torch_patches
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.values import (
     DistributedValues,
@@ -92,7 +92,7 @@ class Strategy:
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
         self._loss_scaling_check: bool | None = None
-        interception.install()
+        torch_patches.strategy_created(self)
         interception.register_strategy(self)
         if not self.is_default:
             self._log_decisions()
@@ -361,7 +361,11 @@ class Strategy:
         values = []
         for k, device in enumerate(ext.replica_devices):
             value = value_fn(ValueContext(ext.replica_id_offset + k, self.num_replicas_in_sync))
-            values.append(nest.map_structure(lambda v, d=device: v.to(d) if isinstance(v, torch.Tensor) else v, value))
+
+            def placed(v: Any, d: Any = device) -> Any:
+                return v.to(d) if isinstance(v, torch.Tensor) else v
+
+            values.append(nest.map_structure(placed, value))
         return PerReplica(values)
 
     distribute_values_from_function = experimental_distribute_values_from_function

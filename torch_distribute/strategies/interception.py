@@ -1,6 +1,8 @@
 """Catching what is created inside ``strategy.scope()`` and routing optimizer steps.
 
-This is the only module that touches torch's classes, and it is installed once per process.
+This is the only module that touches torch's classes. ``strategies/torch_patches.py`` lists
+what it changes and why, installs it when the first strategy is made and undoes it
+(``uninstall``) when the last one is gone.
 
 - Parameters and buffers: torch's global module registration hooks
   (``register_module_parameter_registration_hook`` / ``..._buffer_...``) hand each one to
@@ -54,6 +56,7 @@ import functools
 import threading
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,8 +70,9 @@ from torch_distribute.eager import never_compiled
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 from torch_distribute.strategies import loss_scaling, nonfinite
 
-_installed = False
 _install_lock = threading.Lock()
+# What install() did, each undone by calling it (last first); empty when not installed.
+_undo: list[Callable[[], None]] = []
 _strategies: weakref.WeakSet[Any] = weakref.WeakSet()
 # Objects that know their strategy without holding a captured tensor (optimizers, metrics).
 _owners: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -225,7 +229,7 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
         if replica is None or replica.num_replicas_in_sync == 1 or not scaler.is_enabled():
             return original(scaler, *args, **kwargs)
         strategy = replica.strategy
-        optimizer = args[0] if takes_optimizer and args else kwargs.get("optimizer")
+        optimizer: Any = args[0] if takes_optimizer and args else kwargs.get("optimizer")
         if takes_optimizer and _owners.get(optimizer) is not strategy:
             raise UnmirroredStateError(
                 f"GradScaler.{original.__name__}() was given a {type(optimizer).__name__} created "
@@ -311,11 +315,18 @@ def _wrap_inside_no_grad(public: Any) -> None:
     cells = public.__closure__ or ()
     inner = [c for c in cells if getattr(c.cell_contents, "__name__", None) == public.__name__]
     if len(inner) == 1 and callable(inner[0].cell_contents):
-        inner[0].cell_contents = _wrap_clipping(inner[0].cell_contents)
+        cell, original = inner[0], inner[0].cell_contents
+        wrapped = _wrap_clipping(original)
+        cell.cell_contents = wrapped
+
+        def restore_cell() -> None:
+            if cell.cell_contents is wrapped:
+                cell.cell_contents = original
+
+        _undo.append(restore_cell)
         return
-    wrapped = _wrap_clipping(public)
-    setattr(clip_grad, public.__name__, wrapped)
-    setattr(torch.nn.utils, public.__name__, wrapped)
+    for owner in (clip_grad, torch.nn.utils):
+        _replace(owner, public.__name__, _wrap_clipping)
 
 
 def _wrap_backward(original: Any) -> Any:
@@ -342,23 +353,69 @@ def _check_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
         )
 
 
+def _replace(owner: Any, name: str, wrap: Any) -> None:
+    """``owner.name = wrap(owner.name)``, undone by ``uninstall`` unless someone replaced it since."""
+    original = getattr(owner, name)
+    wrapped = wrap(original)
+    setattr(owner, name, wrapped)
+
+    def restore() -> None:
+        if getattr(owner, name) is wrapped:
+            setattr(owner, name, original)
+
+    _undo.append(restore)
+
+
 def install() -> None:
-    """Install the hooks once per process (idempotent, thread-safe)."""
-    global _installed
+    """Install the hooks and wrappers (idempotent, thread-safe); ``strategies/torch_patches.py``
+    lists them and calls this when the first strategy is made."""
     with _install_lock:
-        if _installed:
+        if _undo:
             return
-        nn_module.register_module_parameter_registration_hook(_on_parameter)
-        nn_module.register_module_buffer_registration_hook(_on_buffer)
-        nn_module.register_module_module_registration_hook(_on_submodule)
-        torch.optim.Optimizer.__init__ = _wrap_optimizer_init(torch.optim.Optimizer.__init__)
-        lr_scheduler.LRScheduler.__init__ = _wrap_scheduler_init(lr_scheduler.LRScheduler.__init__)
-        optimizer_module.register_optimizer_step_pre_hook(_check_optimizer_step)
+        for register, hook in ((nn_module.register_module_parameter_registration_hook, _on_parameter),
+                               (nn_module.register_module_buffer_registration_hook, _on_buffer),
+                               (nn_module.register_module_module_registration_hook, _on_submodule)):
+            _undo.append(register(hook).remove)
+        _undo.append(optimizer_module.register_optimizer_step_pre_hook(_check_optimizer_step).remove)
+        _replace(torch.optim.Optimizer, "__init__", _wrap_optimizer_init)
+        _replace(lr_scheduler.LRScheduler, "__init__", _wrap_scheduler_init)
         scaler = torch.amp.GradScaler
-        scaler.unscale_ = _wrap_scaler_method(scaler.unscale_, takes_optimizer=True)
-        scaler.step = _wrap_scaler_method(scaler.step, takes_optimizer=True)
-        scaler.update = _wrap_scaler_method(scaler.update, takes_optimizer=False)
+        _replace(scaler, "unscale_", functools.partial(_wrap_scaler_method, takes_optimizer=True))
+        _replace(scaler, "step", functools.partial(_wrap_scaler_method, takes_optimizer=True))
+        _replace(scaler, "update", functools.partial(_wrap_scaler_method, takes_optimizer=False))
         _wrap_inside_no_grad(clip_grad.clip_grad_norm_)
         _wrap_inside_no_grad(clip_grad.clip_grad_value_)
-        torch.autograd.backward = _wrap_backward(torch.autograd.backward)
-        _installed = True
+        _replace(torch.autograd, "backward", _wrap_backward)
+
+
+def uninstall() -> bool:
+    """Undo ``install``: torch's own functions and methods back in place, the hooks removed.
+
+    A wrapper someone else has since replaced stays (theirs calls ours, which passes through
+    outside every strategy). Optimizers and schedulers whose ``step`` was routed keep their
+    routing: they hold their strategy. Returns whether anything was installed.
+    """
+    return _uninstall(blocking=True)
+
+
+def uninstall_if_free() -> bool:
+    """``uninstall``, unless another thread is installing or uninstalling right now (then
+    ``False``): what a garbage collector's finalizer may call, in any thread, at any time."""
+    return _uninstall(blocking=False)
+
+
+def _uninstall(blocking: bool) -> bool:
+    if not _install_lock.acquire(blocking=blocking):
+        return False
+    try:
+        done = bool(_undo)
+        while _undo:
+            _undo.pop()()
+        return done
+    finally:
+        _install_lock.release()
+
+
+def installed() -> bool:
+    """Whether ``install`` is in force."""
+    return bool(_undo)

@@ -22,7 +22,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
@@ -38,12 +38,24 @@ _IDLE, _RUNNING, _MERGING, _DONE = "idle", "running", "merging", "done"
 _live_groups: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all() -> None:
     # Joining the replica threads before the interpreter tears down avoids native thread
-    # pools being destroyed under threads that still hold them.
+    # pools being destroyed under threads that still hold them. Registered with atexit when
+    # the first group starts (strategies/torch_patches.py lists it), not at import.
     for group in list(_live_groups):
         group.close()
+
+
+def _close_all_at_exit() -> None:
+    """Register ``_close_all`` with ``atexit``, once."""
+    with _registration_lock:
+        if not _registered:
+            atexit.register(_close_all)
+            _registered.append(True)
+
+
+_registration_lock = threading.Lock()
+_registered: list[bool] = []
 
 
 class _Abort(BaseException):
@@ -128,6 +140,7 @@ class ReplicaThreads:
         for thread in self._threads:
             thread.start()
         self._ready.wait()
+        _close_all_at_exit()
         _live_groups.add(self)
         # torch.set_num_threads in the replica threads also changed the process-wide default
         # that new threads start from; give the caller's setting back.
@@ -205,7 +218,7 @@ class ReplicaThreads:
                     return
                 self._pending[k] = False
                 current = self._current
-            self._execute(k, current)
+            self._execute(k, cast(_Run, current))  # set before a replica is marked pending
             del current
 
     # -- merge_call ---------------------------------------------------------------------------
