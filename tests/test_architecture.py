@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import io
 import pathlib
+import re
 import tokenize
 from collections.abc import Callable
 from typing import Any
@@ -240,3 +241,36 @@ def test_a_strategy_written_against_the_contract_alone_trains_measures_and_check
     restored = torch.nn.Linear(3, 1)
     td.Checkpoint(model=restored).restore(path).expect_partial()
     assert torch.equal(restored.weight, model.weight)
+
+
+def _layer_table() -> list[list[str]]:
+    """docs/architecture.md's layer table, top to bottom: each layer's side-by-side names
+    (a row's `a → b` is two layers, `a` above `b`)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = []
+    for line in section.splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| ") and len(cells) >= 3 and cells[0].strip("| ").isdigit():
+            for part in cells[1].split("→"):
+                layers.append(re.findall(r"`([a-z_]+)`", part))
+    return layers
+
+
+def test_the_layer_table_is_the_enforced_layers_and_every_module_is_listed():
+    """The table's layers are lint-imports' layers contract, in order; every top-level
+    module or package is in a layer, and every module is in "Every module"."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
+    enforced = [sorted(name.strip().removeprefix("torch_distribute.") for name in layer.split("|"))
+                for layer in contract["layers"]]
+    assert [sorted(layer) for layer in _layer_table()] == enforced
+    top_level = {p.stem for p in PACKAGE.iterdir()
+                 if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert top_level == {name for layer in enforced for name in layer}
+    modules = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([a-z0-9_/]+\.py)` \|", text.split("## Every module", 1)[1], re.M))
+    assert modules - listed == set(), "add these to docs/architecture.md's 'Every module' table"
+    assert listed - modules == set(), "these are listed in docs/architecture.md but no longer exist"
