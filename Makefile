@@ -44,9 +44,12 @@ docs: setup
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
-# The suite in two passes: tests marked `serial` (worker processes that need both cores, or
-# timing) run alone; the rest run on 2 pytest-xdist workers.
+# The suite in two passes: tests that start processes (marked `serial` by tests/conftest.py)
+# run alone; the rest run on 2 pytest-xdist workers. Byte-compiled first: the suite starts
+# hundreds of worker processes, and where PYTHONDONTWRITEBYTECODE is set each of them would
+# compile the package again (0.7 s of CPU each).
 test: lint typecheck docs
+	$(PY) -m compileall -q torch_distribute tests examples benchmarks > /dev/null
 	$(PY) -m pytest -q -m "not serial" -n 2
 	$(PY) -m pytest -q -m serial
 
