@@ -25,8 +25,9 @@ default torch threads:
   is what ``td.function`` itself costs there; both against ``hand-compiled`` add what running
   inductor's kernels in two replica threads of one process costs.
 * ``ddp-compiled``: the fair baseline of ``mirrored-function``: ``DistributedDataParallel``
-  with 2 processes (Gloo over loopback, one torch thread each, as each replica thread), the DDP
-  module under ``torch.compile``, each process on its 32 rows.
+  with 2 processes (Gloo over loopback, one torch thread each, as each replica thread),
+  ``DistributedDataParallel(torch.compile(model))`` (the other order compiles nothing on torch
+  2.13: see ``common.ddp_trainer``), each process on its 32 rows.
 
 Compilation happens in the warm-up steps, which run one at a time in each process before any
 timing (the other processes idle meanwhile) and are excluded from the timed rounds. Reported

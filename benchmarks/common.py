@@ -176,18 +176,19 @@ def ddp_trainer(
     """Raw ``DistributedDataParallel``: rank ``r`` trains on its rows of every global batch.
 
     ``log_global_loss``: all-reduce the loss every step, as a loop that logs the global loss
-    does (the strategy variants do it with ``strategy.reduce``). ``compile``: the DDP module
-    under ``torch.compile``, as PyTorch documents it (dynamo splits the graph at DDP's buckets).
+    does (the strategy variants do it with ``strategy.reduce``). ``compile``: the model
+    compiled, then wrapped: ``DistributedDataParallel(torch.compile(model))``. The other order,
+    ``torch.compile(DistributedDataParallel(model))``, compiles no graph at all on torch 2.13
+    (dynamo cannot trace DDP's forward context manager and falls back to eager for the whole
+    call), which made this baseline eager DDP until 2026-11-25.
     """
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     core = make_model(dtype=dtype)
-    model = DistributedDataParallel(core)
+    model = DistributedDataParallel(torch.compile(core) if compile else core)
     optimizer = make_optimizer(model)
-    if compile:
-        model = torch.compile(model)
     local = global_batch // world_size
     lo, hi = rank * local, (rank + 1) * local
     batches = Cycle([(x[lo:hi], y[lo:hi]) for x, y in global_batches(global_batch, dtype=dtype)])
