@@ -192,7 +192,8 @@ class BackupAndRestore:
         self._position.step_in_epoch += 1
         self._position.global_step += 1
         saved = False
-        if self._save_freq != "epoch" and self._position.global_step % self._save_freq == 0:
+        save_freq = self._save_freq  # an int or "epoch", the only string __init__ accepts
+        if isinstance(save_freq, int) and self._position.global_step % save_freq == 0:
             self._save()
             saved = True
         if self._preemption_due():
@@ -258,7 +259,9 @@ def _find_generators(iterable: Any) -> list[torch.Generator]:
 
 
 def _get_rng(generators: list[torch.Generator]) -> dict[str, Any]:
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the global RandomState is MT19937: legacy=True gives a tuple
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     py_version, py_state, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
