@@ -44,9 +44,9 @@ class _Bucket:
 
     def __init__(self, records: list[MirroredTensor], device: torch.device, dtype: torch.dtype):
         self.records = records
-        total = sum(r.primary.numel() for r in records)
+        total = sum(r.live_primary().numel() for r in records)
         self.flat = torch.zeros(total + len(records) + fingerprint.SIGNATURE_LENGTH, device=device, dtype=dtype)
-        self.views = [v.view(-1) for v in unpack(self.flat, [r.primary for r in records])]
+        self.views = [v.view(-1) for v in unpack(self.flat, [r.live_primary() for r in records])]
         self.flag_offset = total
         self.signature_offset = total + len(records)
 
@@ -69,7 +69,7 @@ class GradientSynchronizer:
         self._reset_round()
 
     def _reset_round(self) -> None:
-        self._ready = [[set() for _ in b.records] for b in self._buckets]
+        self._ready: list[list[set[int]]] = [[set() for _ in b.records] for b in self._buckets]
         self._pending = [len(b.records) for b in self._buckets]
         self._next = 0
         self._works: list[Any] = []
@@ -98,7 +98,7 @@ class GradientSynchronizer:
                 if not copies or self._hooked.get(id(record)) == copies:
                     continue
                 self._hooked[id(record)] = copies
-                for k, replica_copy in enumerate(record.copies):
+                for k, replica_copy in enumerate(record.current_copies()):
                     self._handles.append(replica_copy.register_post_accumulate_grad_hook(
                         never_compiled(lambda _t, b=b, slot=slot, k=k: self._on_grad(b, slot, k))))
 
@@ -128,12 +128,13 @@ class GradientSynchronizer:
         with torch.no_grad():
             for slot, record in enumerate(bucket.records):
                 view = bucket.views[slot]
-                grads = [c.grad for c in record.copies if c.grad is not None]
+                copies = record.current_copies()
+                grads = [c.grad for c in copies if c.grad is not None]
                 if grads and _aliases(grads[0], view):
                     # Still the view of the last sum (zero_grad(set_to_none=False) or no
                     # zero_grad): give it its own memory, so a backward that runs while this
                     # bucket is in flight cannot write into it.
-                    record.copies[0].grad = grads[0] = grads[0].clone()
+                    copies[0].grad = grads[0] = grads[0].clone()
                 if grads:
                     view.copy_(grads[0].reshape(-1))
                     for grad in grads[1:]:
@@ -177,10 +178,10 @@ class GradientSynchronizer:
             for bucket, tail in zip(self._buckets, tails, strict=True):
                 flags = tail[:len(bucket.records)]
                 for slot, record in enumerate(bucket.records):
-                    primary = record.primary
+                    primary = record.live_primary()
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
                     primary.grad = bucket.views[slot].view_as(primary) if flags[slot] else None
-                    for replica_copy in record.copies[1:]:
+                    for replica_copy in record.current_copies()[1:]:
                         replica_copy.grad = None
         with self._lock:
             self._steps += 1
