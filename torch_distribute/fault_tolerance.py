@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -229,7 +230,7 @@ class BackupAndRestore:
         return states[index] if len(states) == extended.num_workers_in_sync else states[0]
 
     # -- preemption ---------------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._preempted_locally = True
 
     def _preemption_due(self) -> bool:
@@ -247,7 +248,7 @@ class BackupAndRestore:
         return False
 
 
-def _find_generators(iterable: Any) -> list[torch.Generator]:
+def _find_generators(iterable: object) -> list[torch.Generator]:
     """Generators that decide a DataLoader's order, also under a distributed dataset."""
     found: list[torch.Generator] = []
     loader = getattr(iterable, "source", iterable)

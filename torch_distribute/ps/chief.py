@@ -122,11 +122,11 @@ class ChiefRegistry:
                 self._optimizers.append(optimizer)
 
     # -- lookups ----------------------------------------------------------------------------
-    def spec_of(self, tensor: Any) -> VarSpec | None:
+    def spec_of(self, tensor: object) -> VarSpec | None:
         var = self._vars.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
         return var.spec if var is not None and var.tensor is tensor else None
 
-    def owns(self, tensor: Any) -> bool:
+    def owns(self, tensor: object) -> bool:
         var = self._vars.get(id(tensor))
         return var is not None and var.tensor is tensor
 

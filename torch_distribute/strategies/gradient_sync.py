@@ -27,9 +27,10 @@ own memory first, so a backward can never write into a bucket that is being all-
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from torch_distribute.collectives import fingerprint
 from torch_distribute.collectives.packing import unpack
@@ -64,7 +65,7 @@ class GradientSynchronizer:
         trainable = [r for r in records if r.primary.requires_grad]
         self._buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
         self._hooked: dict[int, tuple[int, ...]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._steps = 0  # optimizer steps finished
         self._reset_round()
 
@@ -72,7 +73,7 @@ class GradientSynchronizer:
         self._ready: list[list[set[int]]] = [[set() for _ in b.records] for b in self._buckets]
         self._pending = [len(b.records) for b in self._buckets]
         self._next = 0
-        self._works: list[Any] = []
+        self._works: list[dist.Work | None] = []
         self._dirty = False
         self._agreement: Agreement | None = None
 
