@@ -60,9 +60,10 @@ class PhysicalDevice(NamedTuple):
     name: str
     device_type: str
 
-    @property
-    def index(self) -> int:
-        return int(self.name.rsplit(":", 1)[1])
+
+def _device_number(physical: PhysicalDevice) -> int:
+    """The ``N`` of ``"/physical_device:GPU:N"`` (not a property: ``index`` is tuple's method)."""
+    return int(physical.name.rsplit(":", 1)[1])
 
 
 @dataclass(frozen=True)
@@ -147,15 +148,16 @@ def set_logical_device_configuration(device: PhysicalDevice | str,
             f"The logical GPUs of one physical GPU share one memory pool in PyTorch, so give them all "
             f"the same memory_limit (or none), got {sorted(limits, key=str)}."
         )
-    index = physical.index
-    devices.split_physical_gpu(index, len(configurations) if configurations else 1)
+    index = _device_number(physical)
+    count = len(configurations) if configurations else 1
+    devices.split_physical_gpu(index, count)
     limit = limits.pop()
-    if limit is not None:
+    if limit is not None:  # a limit comes from the configurations: count is their number
         total = torch.cuda.get_device_properties(index).total_memory
-        wanted = limit * 2**20 * len(configurations)
+        wanted = limit * 2**20 * count
         if wanted > total:
             raise InvalidArgumentError(
-                f"{len(configurations)} logical GPUs of {limit} MiB exceed {physical.name}'s "
+                f"{count} logical GPUs of {limit} MiB exceed {physical.name}'s "
                 f"{total // 2**20} MiB."
             )
         torch.cuda.set_per_process_memory_fraction(wanted / total, index)
@@ -172,7 +174,7 @@ def get_logical_device_configuration(device: PhysicalDevice | str) -> list[Logic
     physical = _physical(device)
     if physical.device_type == "CPU":
         return None if _cpu_configuration is None else list(_cpu_configuration)
-    configurations = _gpu_configurations.get(physical.index)
+    configurations = _gpu_configurations.get(_device_number(physical))
     return None if configurations is None else list(configurations)
 
 

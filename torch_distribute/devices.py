@@ -142,7 +142,7 @@ def gpu_identity(device: LogicalDevice) -> str:
     return f"GPU-{uuid}" if uuid is not None else f"{socket.gethostname()}/cuda:{index}"
 
 
-def share_a_gpu(devices: tuple[LogicalDevice, ...] | list[LogicalDevice]) -> bool:
+def share_a_gpu(devices: Sequence[LogicalDevice]) -> bool:
     """Whether two of ``devices`` are logical GPUs of the same physical GPU."""
     gpus = [d.torch_device for d in devices if d.is_cuda]
     return len(set(gpus)) < len(gpus)

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -192,7 +193,8 @@ class BackupAndRestore:
         self._position.step_in_epoch += 1
         self._position.global_step += 1
         saved = False
-        if self._save_freq != "epoch" and self._position.global_step % self._save_freq == 0:
+        save_freq = self._save_freq  # an int or "epoch", the only string __init__ accepts
+        if isinstance(save_freq, int) and self._position.global_step % save_freq == 0:
             self._save()
             saved = True
         if self._preemption_due():
@@ -228,7 +230,7 @@ class BackupAndRestore:
         return states[index] if len(states) == extended.num_workers_in_sync else states[0]
 
     # -- preemption ---------------------------------------------------------------------------
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._preempted_locally = True
 
     def _preemption_due(self) -> bool:
@@ -246,7 +248,7 @@ class BackupAndRestore:
         return False
 
 
-def _find_generators(iterable: Any) -> list[torch.Generator]:
+def _find_generators(iterable: object) -> list[torch.Generator]:
     """Generators that decide a DataLoader's order, also under a distributed dataset."""
     found: list[torch.Generator] = []
     loader = getattr(iterable, "source", iterable)
@@ -258,7 +260,9 @@ def _find_generators(iterable: Any) -> list[torch.Generator]:
 
 
 def _get_rng(generators: list[torch.Generator]) -> dict[str, Any]:
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the global RandomState is MT19937: legacy=True gives a tuple
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     py_version, py_state, py_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -145,8 +145,8 @@ def newest_intact(candidates: list[str], where: str, quiet: frozenset[str] = fro
             if not (exc.foreign and path in quiet):
                 damaged.append(exc)
             continue
-        for exc in damaged:
-            warnings.warn(f"{exc} Using {path!r}, the newest intact checkpoint in {where}.", stacklevel=3)
+        for error in damaged:
+            warnings.warn(f"{error} Using {path!r}, the newest intact checkpoint in {where}.", stacklevel=3)
         return path
     if damaged:
         raise CorruptCheckpointError(

@@ -201,9 +201,9 @@ class CheckpointManager:
                 warnings.warn(f"Checkpoint {os.path.join(self._directory, name)!r} is damaged on worker(s) "
                               f"{workers}; every worker falls back to an older one.", stacklevel=2)
             agreed |= everywhere  # damaged for some worker: every worker skips it
-        for exc in damaged:
+        for error in damaged:
             if restored is not None:
-                warnings.warn(f"{exc} Restored {restored!r} instead, the newest intact checkpoint.", stacklevel=2)
+                warnings.warn(f"{error} Restored {restored!r} instead, the newest intact checkpoint.", stacklevel=2)
         if restored is None and agreed:  # on every worker, also where only others saw the damage
             raise CorruptCheckpointError(
                 f"Every checkpoint in {self._directory!r} is damaged ({', '.join(sorted(agreed))}): "

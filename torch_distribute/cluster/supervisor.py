@@ -42,7 +42,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from types import FrameType
+from typing import IO, TypeAlias
 
 from torch_distribute.collectives import failure_record
 
@@ -55,6 +56,9 @@ __all__ = [
     "exit_code_for",
     "forward_lines",
 ]
+
+# What signal.signal returns and takes: a function, SIG_DFL/SIG_IGN, or None (not set from Python).
+_SignalHandler: TypeAlias = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 #: The exit code when the ``timeout`` passes (as ``timeout(1)`` uses).
 EXIT_TIMEOUT = 124
@@ -267,7 +271,7 @@ class ProcessSupervisor:
                    if p.poll() not in (None, 0)]
         chosen_id = failure_record.first_failure(entries) if entries else id(seen[0])
         chosen = next(p for p in candidates if id(p) == chosen_id)
-        record = records.get(chosen_id)
+        record = records.get(id(chosen))
         code = chosen.poll() or 0
         if chosen not in seen and record is not None:
             code = 1  # stopped by us while it ended after its uncaught exception
@@ -340,15 +344,15 @@ class ProcessSupervisor:
         handled = [signal.SIGINT, signal.SIGTERM]
         if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
             handled.append(signal.SIGHUP)
-        previous: dict[int, object] = {}
+        previous: dict[signal.Signals, _SignalHandler] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in handled:
                 previous[sig] = signal.signal(sig, self.on_signal)
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
+            for restored, handler in previous.items():
+                signal.signal(restored, handler)
 
     def _interrupted(self) -> int:
         signum = self.received[0]

@@ -92,10 +92,10 @@ def combine(payloads: list[bytes], op: Any, like: torch.Tensor) -> torch.Tensor:
     values = values.view(len(payloads), count)
     if like.is_floating_point():
         values = values.view(torch.float64)
-    parts = values.to(device=like.device, dtype=like.dtype)
-    total = parts[0]
-    for part in parts[1:]:
-        total = _COMBINE[op](total, part)
+    rows = values.to(device=like.device, dtype=like.dtype)
+    total = rows[0]
+    for row in rows[1:]:
+        total = _COMBINE[op](total, row)
     return total.view(like.shape)
 
 

@@ -130,7 +130,9 @@ class Estimator:
     def evaluate(self, input_fn: Callable[..., Any], steps: int | None = None, name: str | None = None) -> dict[str, Any]:
         """The loss and metrics over the input (``steps`` batches at most), with ``global_step``."""
         model, _, step = self._build(self._strategy("eval"))
-        results: dict[str, Any] = dict(model.evaluate(_input(input_fn), steps=steps, verbose=0, return_dict=True))
+        evaluated = model.evaluate(_input(input_fn), steps=steps, verbose=0, return_dict=True)
+        assert isinstance(evaluated, dict)  # what return_dict=True gives
+        results: dict[str, Any] = dict(evaluated)
         results["global_step"] = int(step)
         return results
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -293,6 +293,11 @@ class DistributedDataset(_DistributedIterable):
         return split_batch(batch, [start, sum(mine), rest])[1], mine
 
 
+def _is_iterable(candidate: object) -> TypeGuard[Iterable[object]]:
+    """What a dataset function must return: something with ``__iter__`` (a dataset, a loader)."""
+    return hasattr(candidate, "__iter__")
+
+
 class DatasetFromFunction(_DistributedIterable):
     """Datasets made by a dataset function: one per worker (each local replica takes its own
     consecutive element) or, with ``InputReplicationMode.PER_REPLICA``, one per replica."""
@@ -315,10 +320,10 @@ class DatasetFromFunction(_DistributedIterable):
                     "build this with DatasetFromFunction.from_function(dataset_fn, ...) (as "
                     "strategy.distribute_datasets_from_function does), not with one dataset."
                 )
-            datasets = list(replica_datasets)
-            if len(datasets) != self.num_local_replicas:
+            candidates: list[object] = list(replica_datasets)
+            if len(candidates) != self.num_local_replicas:
                 raise InvalidArgumentError(
-                    f"replica_datasets has {len(datasets)} datasets for {self.num_local_replicas} local replicas; "
+                    f"replica_datasets has {len(candidates)} datasets for {self.num_local_replicas} local replicas; "
                     "give one per replica."
                 )
         else:
@@ -327,14 +332,16 @@ class DatasetFromFunction(_DistributedIterable):
                     "replica_datasets is for InputReplicationMode.PER_REPLICA; pass "
                     "InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA) or one dataset."
                 )
-            datasets = [dataset]
-        for each in datasets:
-            if not hasattr(each, "__iter__"):
+            candidates = [dataset]
+        datasets: list[Iterable[object]] = []
+        for each in candidates:
+            if not _is_iterable(each):
                 raise DatasetError(
                     f"dataset_fn must return an iterable of per-replica batches, got {type(each).__name__}."
                 )
+            datasets.append(each)
         self._datasets = datasets
-        self._sources = [PeekableSource(each) for each in datasets]  # type: ignore[arg-type]
+        self._sources = [PeekableSource(each) for each in datasets]
 
     @classmethod
     def from_function(

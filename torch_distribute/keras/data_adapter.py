@@ -22,6 +22,7 @@ warning.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -118,10 +119,10 @@ class ArrayBatches:
             order = torch.randperm(self.rows, generator=generator)
             for start in range(0, self.rows, self.batch_size):
                 index = order[start:start + self.batch_size]
-                yield nest.map_structure(lambda t, i=index: t[i], self.data)
+                yield nest.map_structure(operator.itemgetter(index), self.data)
         else:
             for start in range(0, self.rows, self.batch_size):
-                yield nest.map_structure(lambda t, s=start: t[s:s + self.batch_size], self.data)
+                yield nest.map_structure(operator.itemgetter(slice(start, start + self.batch_size)), self.data)
 
 
 class IterableBatches:
@@ -318,8 +319,10 @@ class DataHandler:
         limit = self.steps_per_epoch
         taken = 0
         while limit is None or taken < limit:
+            stream = self._stream
+            assert stream is not None  # made above, by _rebuild_stream or _new_pass
             try:
-                batch = next(self._stream)
+                batch = next(stream)
             except StopIteration:
                 if limit is not None or taken == 0:
                     self.exhausted = True

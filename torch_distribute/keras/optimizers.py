@@ -90,7 +90,8 @@ class OptimizerSpec:
         self.kwargs = kwargs
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return keras_optimizer_class(self.cls)(params, lr=self.learning_rate, **self.kwargs)
+        # Every torch.optim optimizer takes lr; their base class's __init__ (params, defaults) does not.
+        return keras_optimizer_class(self.cls)(params, lr=self.learning_rate, **self.kwargs)  # type: ignore[call-arg]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())

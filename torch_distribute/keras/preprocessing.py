@@ -82,8 +82,8 @@ class ImageDataset:
             self._cache[index] = tensor
         return tensor
 
-    def _targets(self, indices: torch.Tensor) -> torch.Tensor:
-        labels = torch.from_numpy(self._labels[indices.numpy()]).long()
+    def _targets(self, all_labels: np.ndarray, indices: torch.Tensor) -> torch.Tensor:
+        labels = torch.from_numpy(all_labels[indices.numpy()]).long()
         if self.label_mode == "categorical":
             return torch.nn.functional.one_hot(labels, len(self.class_names)).float()
         if self.label_mode == "binary":
@@ -99,7 +99,7 @@ class ImageDataset:
             if self.label_mode is None or self._labels is None:
                 yield images
             else:
-                yield images, self._targets(indices)
+                yield images, self._targets(self._labels, indices)
 
     def __repr__(self) -> str:
         return (f"ImageDataset({len(self.file_paths)} files, classes={self.class_names}, "
@@ -163,7 +163,9 @@ def image_dataset_from_directory(
     if validation_split is not None and not 0 < validation_split < 1:
         raise InvalidArgumentError(f"validation_split must be in (0, 1), got {validation_split}.")
     paths, inferred, names = _list_files(directory, class_names, follow_links)
-    if labels == "inferred":
+    if isinstance(labels, str):
+        if labels != "inferred":
+            raise InvalidArgumentError(f"labels must be 'inferred', None or a list of ints, got {labels!r}.")
         label_list = inferred
     elif labels is None:
         label_list, label_mode = None, None

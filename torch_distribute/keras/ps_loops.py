@@ -69,7 +69,9 @@ def run_train_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: in
     Each step is one optimizer step on one batch of the worker's dataset (the loss is the
     mean over the batch); the gradients go to the parameter servers at once.
     """
-    steps.model.train()
+    model = steps.model
+    assert isinstance(model, nn.Module)  # fit under ParameterServerStrategy: a td.keras.Model
+    model.train()
     for _ in range(count):
         batch = next(iterator)
         strategy.run(steps.train_step, args=(batch, _rows(batch)))
@@ -77,7 +79,9 @@ def run_train_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: in
 
 def run_test_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: int) -> None:
     """``count`` test steps on this worker's batches (a scheduled function: runs on a worker)."""
-    steps.model.eval()
+    model = steps.model
+    assert isinstance(model, nn.Module)  # evaluate under ParameterServerStrategy: a td.keras.Model
+    model.eval()
     for _ in range(count):
         strategy.run(steps.test_step, args=(next(iterator),))
 
@@ -152,11 +156,12 @@ def dataset_function(x: Any, what: str, options: dict[str, Any] | None = None,
 _MAY_NOT_END = "(the workers' datasets may not end), as in TensorFlow."
 
 
-def _require_steps(caller: str, argument: str, value: int | None, why: str) -> None:
-    """``value`` of ``caller``'s ``argument`` is given and a positive int, or raise saying why."""
+def _require_steps(caller: str, argument: str, value: int | None, why: str) -> int:
+    """``value`` of ``caller``'s ``argument``, given and a positive int, or raise saying why."""
     if value is None:
         raise InvalidArgumentError(f"{caller} under ParameterServerStrategy needs {argument}= {why}")
     check_int(argument, value, minimum=1)
+    return value
 
 
 def _refuse(**given: Any) -> None:
@@ -228,11 +233,11 @@ def fit_loop(
     if validation_data is not None:
         val_fn = dataset_function(validation_data, "validation_data", unsupported, "validation_batch_size")
     _refuse(**unsupported)
-    _require_steps("fit", "steps_per_epoch", steps_per_epoch, _MAY_NOT_END)
+    steps_per_epoch = _require_steps("fit", "steps_per_epoch", steps_per_epoch, _MAY_NOT_END)
     _check_model(model, callbacks, jit_compile)
     if validation_data is not None:
-        _require_steps("validation_data", "validation_steps", validation_steps,
-                       "(the number of test steps the workers run at each validation).")
+        validation_steps = _require_steps("validation_data", "validation_steps", validation_steps,
+                                          "(the number of test steps the workers run at each validation).")
     coordinator = ClusterCoordinator(strategy)
     train_iterator = iter(coordinator.create_per_worker_dataset(train_fn))
     val_iterator = iter(coordinator.create_per_worker_dataset(val_fn)) if val_fn is not None else None
@@ -247,7 +252,8 @@ def fit_loop(
         callback_list.on_epoch_begin(epoch)
         _train_epoch(model, strategy, steps, coordinator, train_iterator, steps_per_epoch, callback_list)
         logs = metric_logs(model)
-        if val_iterator is not None and (epoch + 1) % validation_freq == 0:
+        # validation_steps is checked given with validation_data, which val_iterator comes from
+        if val_iterator is not None and validation_steps is not None and (epoch + 1) % validation_freq == 0:
             val_logs = _test(model, strategy, steps, coordinator, val_iterator, validation_steps, callback_list)
             logs.update({f"val_{k}": v for k, v in val_logs.items()})
         callback_list.on_epoch_end(epoch, logs)
@@ -305,7 +311,7 @@ def evaluate_loop(
     """Every metric's global value over ``num_steps`` test steps scheduled on the workers."""
     fn = dataset_function(x, "x", unsupported)
     _refuse(**unsupported)
-    _require_steps("evaluate", "steps", num_steps, _MAY_NOT_END)
+    num_steps = _require_steps("evaluate", "steps", num_steps, _MAY_NOT_END)
     _check_model(model, callbacks, jit_compile)
     coordinator = ClusterCoordinator(strategy)
     iterator = iter(coordinator.create_per_worker_dataset(fn))

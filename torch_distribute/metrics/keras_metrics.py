@@ -126,7 +126,9 @@ class _MeanMetricWrapper(Mean):
     def _values(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - abstract
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+    # A Mean whose update_state takes (y_true, y_pred), as Keras' MeanMetricWrapper is (so
+    # isinstance(metric, Mean) holds as there): the override is deliberately not Mean's signature.
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
         """Add this batch's per-sample values, weighted by ``sample_weight``."""
         index = self._local_index()
         y_true, y_pred = as_tensor(y_true), as_tensor(y_pred)

@@ -36,6 +36,12 @@ class _Var:
     is_buffer: bool
     version: int = -1
 
+    @property
+    def shipped_spec(self) -> VarSpec:
+        """``spec``, once shipped (every variable read or written on the servers is)."""
+        assert self.spec is not None, "a variable is used on the servers before it is shipped"
+        return self.spec
+
 
 class ChiefRegistry:
     def __init__(self, num_ps: int, partitioner: Callable[..., Any] | None, timeout: float):
@@ -107,7 +113,7 @@ class ChiefRegistry:
                 var.spec = self._place(var)
                 self._by_var_id[var.spec.var_id] = var
             if pending:
-                client.create([v.spec for v in pending], [v.tensor for v in pending], self.timeout)
+                client.create([v.shipped_spec for v in pending], [v.tensor for v in pending], self.timeout)
                 for var in pending:
                     var.version = var.tensor._version
             optimizers, self._pending_optimizers = self._pending_optimizers, []
@@ -116,11 +122,11 @@ class ChiefRegistry:
                 self._optimizers.append(optimizer)
 
     # -- lookups ----------------------------------------------------------------------------
-    def spec_of(self, tensor: Any) -> VarSpec | None:
+    def spec_of(self, tensor: object) -> VarSpec | None:
         var = self._vars.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
         return var.spec if var is not None and var.tensor is tensor else None
 
-    def owns(self, tensor: Any) -> bool:
+    def owns(self, tensor: object) -> bool:
         var = self._vars.get(id(tensor))
         return var is not None and var.tensor is tensor
 
@@ -211,7 +217,7 @@ class ChiefRegistry:
             changed = [v for v in self._by_var_id.values()
                        if id(v.tensor) in self._vars and v.tensor._version != v.version]
             if changed:
-                client.assign([v.spec for v in changed], [v.tensor for v in changed], self.timeout)
+                client.assign([v.shipped_spec for v in changed], [v.tensor for v in changed], self.timeout)
                 for var in changed:
                     var.version = var.tensor._version
 
@@ -224,7 +230,7 @@ class ChiefRegistry:
             if self._stale:
                 self._stale = False
                 live = [v for v in self._by_var_id.values() if id(v.tensor) in self._vars]
-                client.pull([v.spec for v in live], [v.tensor for v in live], self.timeout)
+                client.pull([v.shipped_spec for v in live], [v.tensor for v in live], self.timeout)
                 for var in live:
                     var.version = var.tensor._version
 
@@ -237,14 +243,17 @@ class ChiefRegistry:
         out = []
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                spec = self.spec_of(p)
-                if spec is None:
-                    raise InvalidArgumentError(
-                        f"{type(optimizer).__name__} holds a parameter that was not created in "
-                        "ParameterServerStrategy.scope(); build the model inside the scope too."
-                    )
-                out.append((spec, g))
+                out.append((self._optimized_spec(optimizer, p), g))
         return out
+
+    def _optimized_spec(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> VarSpec:
+        spec = self.spec_of(param)
+        if spec is None:
+            raise InvalidArgumentError(
+                f"{type(optimizer).__name__} holds a parameter that was not created in "
+                "ParameterServerStrategy.scope(); build the model inside the scope too."
+            )
+        return spec
 
     def _ship_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         hyper = self._hyperparameters(optimizer)
@@ -307,8 +316,8 @@ class ChiefRegistry:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` called on the coordinator: push its local gradients."""
         self.push_local_changes()
-        pairs = [(self.spec_of(p), p.grad) for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
+        pairs = [(self._optimized_spec(optimizer, p), p.grad) for group in optimizer.param_groups
+                 for p in group["params"] if p.grad is not None]
         if pairs:
             client.push_gradients([s for s, _ in pairs], [g for _, g in pairs], self.timeout)
         self.mark_stale()

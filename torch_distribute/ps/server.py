@@ -104,6 +104,7 @@ def distribute_server(
     task_type, task_id = resolver.task_type, resolver.task_id
     if not spec or task_type not in ("worker", "ps"):
         return False
+    assert task_id is not None  # validate() requires it in a non-empty cluster
     address = chief_address(resolver)
     # The first optimizer a task makes imports torch._dynamo (seconds; more on a loaded
     # machine): done before joining, so that no call of the coordinator's waits for it.

@@ -47,8 +47,8 @@ class WorkerOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = [(spec, self._runtime.local(spec).grad) for spec in self._specs]
-        pairs = [(s, g) for s, g in pairs if g is not None]
+        grads = [(spec, self._runtime.local(spec).grad) for spec in self._specs]
+        pairs = [(s, g) for s, g in grads if g is not None]
         if pairs:
             client.push_gradients([s for s, _ in pairs], [g for _, g in pairs], self._runtime.timeout)
         self._runtime.stale = True

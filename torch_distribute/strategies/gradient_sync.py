@@ -27,9 +27,10 @@ own memory first, so a backward can never write into a bucket that is being all-
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from torch_distribute.collectives import fingerprint
 from torch_distribute.collectives.packing import unpack
@@ -44,9 +45,9 @@ class _Bucket:
 
     def __init__(self, records: list[MirroredTensor], device: torch.device, dtype: torch.dtype):
         self.records = records
-        total = sum(r.primary.numel() for r in records)
+        total = sum(r.live_primary().numel() for r in records)
         self.flat = torch.zeros(total + len(records) + fingerprint.SIGNATURE_LENGTH, device=device, dtype=dtype)
-        self.views = [v.view(-1) for v in unpack(self.flat, [r.primary for r in records])]
+        self.views = [v.view(-1) for v in unpack(self.flat, [r.live_primary() for r in records])]
         self.flag_offset = total
         self.signature_offset = total + len(records)
 
@@ -64,15 +65,15 @@ class GradientSynchronizer:
         trainable = [r for r in records if r.primary.requires_grad]
         self._buckets = _make_buckets(list(reversed(trainable)), bucket_bytes)
         self._hooked: dict[int, tuple[int, ...]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._steps = 0  # optimizer steps finished
         self._reset_round()
 
     def _reset_round(self) -> None:
-        self._ready = [[set() for _ in b.records] for b in self._buckets]
+        self._ready: list[list[set[int]]] = [[set() for _ in b.records] for b in self._buckets]
         self._pending = [len(b.records) for b in self._buckets]
         self._next = 0
-        self._works: list[Any] = []
+        self._works: list[dist.Work | None] = []
         self._dirty = False
         self._agreement: Agreement | None = None
 
@@ -98,7 +99,7 @@ class GradientSynchronizer:
                 if not copies or self._hooked.get(id(record)) == copies:
                     continue
                 self._hooked[id(record)] = copies
-                for k, replica_copy in enumerate(record.copies):
+                for k, replica_copy in enumerate(record.current_copies()):
                     self._handles.append(replica_copy.register_post_accumulate_grad_hook(
                         never_compiled(lambda _t, b=b, slot=slot, k=k: self._on_grad(b, slot, k))))
 
@@ -128,12 +129,13 @@ class GradientSynchronizer:
         with torch.no_grad():
             for slot, record in enumerate(bucket.records):
                 view = bucket.views[slot]
-                grads = [c.grad for c in record.copies if c.grad is not None]
+                copies = record.current_copies()
+                grads = [c.grad for c in copies if c.grad is not None]
                 if grads and _aliases(grads[0], view):
                     # Still the view of the last sum (zero_grad(set_to_none=False) or no
                     # zero_grad): give it its own memory, so a backward that runs while this
                     # bucket is in flight cannot write into it.
-                    record.copies[0].grad = grads[0] = grads[0].clone()
+                    copies[0].grad = grads[0] = grads[0].clone()
                 if grads:
                     view.copy_(grads[0].reshape(-1))
                     for grad in grads[1:]:
@@ -177,10 +179,10 @@ class GradientSynchronizer:
             for bucket, tail in zip(self._buckets, tails, strict=True):
                 flags = tail[:len(bucket.records)]
                 for slot, record in enumerate(bucket.records):
-                    primary = record.primary
+                    primary = record.live_primary()
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
                     primary.grad = bucket.views[slot].view_as(primary) if flags[slot] else None
-                    for replica_copy in record.copies[1:]:
+                    for replica_copy in record.current_copies()[1:]:
                         replica_copy.grad = None
         with self._lock:
             self._steps += 1

@@ -51,6 +51,7 @@ class ParameterServerWorkerStrategy(Strategy):
 
     def __init__(self, worker_index: int):
         super().__init__(ParameterServerWorkerExtended(self, worker_index))
+        self._worker_index = worker_index
 
     def __repr__(self) -> str:
-        return f"ParameterServerWorkerStrategy(worker_index={self.extended.task_index})"
+        return f"ParameterServerWorkerStrategy(worker_index={self._worker_index})"

@@ -55,10 +55,11 @@ class ModelCheckpoint(Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self.save_freq == "epoch":
+        save_freq = self.save_freq
+        if not isinstance(save_freq, int):  # "epoch", the only string __init__ accepts
             return
         self._batches_seen += 1
-        if self._batches_seen % self.save_freq == 0:
+        if self._batches_seen % save_freq == 0:
             self._save(self._epoch, batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:

@@ -49,7 +49,9 @@ class TensorBoard(Callback):
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._step += 1
-        if self.update_freq == "epoch" or self._step % self.update_freq or not self._should_write():
+        update_freq = self.update_freq
+        # "epoch" is the only string __init__ accepts
+        if not isinstance(update_freq, int) or self._step % update_freq or not self._should_write():
             return
         for name, value in (logs or {}).items():
             self._writer("train").add_scalar(f"batch_{name}", float(value), self._step)
