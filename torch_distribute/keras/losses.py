@@ -257,7 +257,7 @@ class LossFunctionWrapper(Loss):
 
     def __init__(self, fn: Callable[..., torch.Tensor], name: str | None = None, **kwargs: Any):
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "loss")
+        self.name = name or str(getattr(fn, "__name__", "loss"))
         self.kwargs = kwargs
         self.from_logits = bool(kwargs.get("from_logits", False))
 
@@ -370,7 +370,9 @@ class TorchLoss(Loss):
 
     def __init__(self, module: nn.Module):
         self.module = copy.deepcopy(module)
-        self.module.reduction = "none"
+        # torch's losses keep `reduction` as a plain str attribute; nn.Module's stubs type
+        # attributes they do not know as Tensor | Module.
+        self.module.reduction = "none"  # type: ignore[assignment]
         self.name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", type(module).__name__).lower()
         self.from_logits = isinstance(module, (nn.CrossEntropyLoss, nn.BCEWithLogitsLoss))
 
