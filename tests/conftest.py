@@ -1,9 +1,9 @@
 """Marks every test that starts processes ``serial``.
 
-``make test`` runs the suite in two passes: ``-m "not serial" -n 2`` (in-process tests on two
-pytest-xdist workers: much of their time is single-threaded Python, import and compilation)
-and then ``-m serial`` alone, so that tests starting worker processes (two or three per job,
-with deadlines and heartbeats) keep both cores and their timing.
+``make test`` runs the suite in two passes: ``-m "not serial" -n 2`` (in-process tests spread
+one by one over two pytest-xdist workers) and then ``-m serial -n 2 --dist loadfile`` (tests
+starting worker processes, two or three per job, spread file by file, so that a module-scoped
+job runs once; their deadlines leave room for a neighbour's load).
 
 A test is serial when the code it reaches starts processes in one of the ways below: its own
 body, the fixtures it asks for, and the functions they call that are defined in the tests
