@@ -17,18 +17,99 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch_distribute.errors import ContextError
+
+
+class ExtendedLike(Protocol):
+    """What the layers below the strategies use of a ``StrategyExtended``.
+
+    >>> import torch_distribute as td
+    >>> td.get_strategy().extended.replica_id_offset
+    0
+    """
+
+    @property
+    def replica_id_offset(self) -> int: ...
+
+    @property
+    def worker_devices(self) -> tuple[Any, ...]: ...
+
+    def replica_all_reduce(self, reduce_op: Any, per_replica: list[Any]) -> list[Any]: ...
+
+    def replica_all_gather(self, per_replica: list[Any], axis: int) -> tuple[list[Any], list[tuple[int, ...]]]: ...
+
+
+class StrategyLike(Protocol):
+    """What the layers below the strategies use of a ``Strategy``: this module, the replica
+    context, the collectives. The strategies layer pushes its ``Strategy`` objects.
+
+    >>> import torch_distribute as td
+    >>> td.get_strategy().is_default
+    True
+    """
+
+    @property
+    def is_default(self) -> bool: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def extended(self) -> ExtendedLike: ...
+
+    def scope(self) -> AbstractContextManager[Any]: ...
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any: ...
+
+    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any: ...
+
+    def gather(self, value: Any, axis: int) -> Any: ...
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]: ...
+
+
+class ReplicaContextLike(Protocol):
+    """What this module and the collectives use of a ``ReplicaContext``.
+
+    >>> import torch_distribute as td
+    >>> td.get_replica_context().replica_id_in_sync_group
+    0
+    """
+
+    @property
+    def strategy(self) -> StrategyLike: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def replica_id_in_sync_group(self) -> int: ...
+
+    @property
+    def local_replica_id(self) -> int: ...
+
+    @property
+    def devices(self) -> tuple[Any, ...]: ...
+
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any: ...
+
+    def all_reduce(self, reduce_op: Any, value: Any) -> Any: ...
+
+    def all_gather(self, value: Any, axis: int) -> Any: ...
 
 
 @dataclass(frozen=True)
 class Frame:
     """One entry of the stack: a strategy and, inside ``run``, the replica's context."""
 
-    strategy: Any
-    replica_context: Any | None  # None: cross-replica context
+    strategy: StrategyLike
+    replica_context: ReplicaContextLike | None  # None: cross-replica context
 
 
 class _ThreadStack(threading.local):
@@ -60,7 +141,7 @@ def _get_default_frame() -> Frame:
     return _default_frame
 
 
-def push_frame(strategy: Any, replica_context: Any | None) -> None:
+def push_frame(strategy: StrategyLike, replica_context: ReplicaContextLike | None) -> None:
     _stack.frames.append(Frame(strategy, replica_context))
 
 
@@ -77,7 +158,7 @@ def set_frames(frames: list[Frame]) -> None:
     _stack.frames = list(frames)
 
 
-def get_strategy() -> Any:
+def get_strategy() -> StrategyLike:
     """The strategy in use: the one whose scope or ``run`` we are in, else the default.
 
     >>> import torch_distribute as td
@@ -99,7 +180,7 @@ def in_cross_replica_context() -> bool:
     return bool(_stack.frames) and _stack.frames[-1].replica_context is None
 
 
-def get_replica_context() -> Any | None:
+def get_replica_context() -> ReplicaContextLike | None:
     """The current ``ReplicaContext``; ``None`` in cross-replica context.
 
     With no strategy, the default strategy's single replica context.
@@ -109,7 +190,7 @@ def get_replica_context() -> Any | None:
     return _stack.frames[-1].replica_context
 
 
-def get_cross_replica_context() -> Any | None:
+def get_cross_replica_context() -> StrategyLike | None:
     """The strategy when in cross-replica context, else ``None``."""
     if not _stack.frames:
         return None

@@ -24,10 +24,9 @@ import torch
 
 from torch_distribute import context
 from torch_distribute.errors import ContextError, InvalidArgumentError
-from torch_distribute.replica_context import ReplicaContext
 
 
-def _require_replica_context(name: str) -> ReplicaContext:
+def _require_replica_context(name: str) -> context.ReplicaContextLike:
     if context.in_cross_replica_context():
         raise ContextError(
             f"td.{name}() was called in cross-replica context; call it inside the function "
@@ -87,7 +86,7 @@ class _GuessedBatchSizes:
         self._largest: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def record(self, replica: ReplicaContext, rows: int, frame: Any) -> None:
+    def record(self, replica: context.ReplicaContextLike, rows: int, frame: Any) -> None:
         """``frame``: ``compute_average_loss``'s own; the line that called it is the site."""
         caller = frame.f_back if frame is not None else None
         if caller is None:

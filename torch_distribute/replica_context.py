@@ -39,12 +39,12 @@ class ReplicaContext:
     local replica).
     """
 
-    def __init__(self, strategy: Any, replica_id_in_sync_group: int):
+    def __init__(self, strategy: context.StrategyLike, replica_id_in_sync_group: int):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> context.StrategyLike:
         return self._strategy
 
     @property
@@ -148,7 +148,7 @@ class _CheckedMerge:
     def merge_call_now(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         what, axis = self._what, self._axis
 
-        def checked(strategy: Any, *per_replica: Any) -> Any:
+        def checked(strategy: context.StrategyLike, *per_replica: Any) -> Any:
             offset = strategy.extended.replica_id_offset
             for value in per_replica:
                 if isinstance(value, DistributedValues):

@@ -8,20 +8,37 @@ all-reduce of the upstream gradients (MEAN likewise), so every replica must run 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from torch_distribute import nest
+from torch_distribute.context import StrategyLike
 from torch_distribute.errors import InvalidAxisError
 from torch_distribute.reduce_op import ReduceOp
 
-# ``replica_ctx`` below is a ``ReplicaContext`` (a layer above this one): only its public
-# ``merge_call_now`` and replica ids are used.
+
+class MergingReplica(Protocol):
+    """What the collectives use of a ``ReplicaContext`` (a layer above this one): its public
+    ``merge_call_now`` and replica ids.
+
+    >>> import torch_distribute as td
+    >>> td.get_replica_context().num_replicas_in_sync
+    1
+    """
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def replica_id_in_sync_group(self) -> int: ...
+
+    def merge_call_now(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
 
 
-def _merge_all_reduce(replica_ctx: Any, op: ReduceOp, tensors: tuple) -> tuple:
-    def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+def _merge_all_reduce(replica_ctx: MergingReplica, op: ReduceOp, tensors: tuple) -> tuple:
+    def merge_fn(strategy: StrategyLike, *per_replica: Any) -> Any:
         return strategy.extended.replica_all_reduce(op, list(per_replica))
 
     return replica_ctx.merge_call_now(merge_fn, tensors, {})
@@ -29,7 +46,7 @@ def _merge_all_reduce(replica_ctx: Any, op: ReduceOp, tensors: tuple) -> tuple:
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, replica_ctx: Any, op: ReduceOp, *tensors: torch.Tensor):
+    def forward(ctx: Any, replica_ctx: MergingReplica, op: ReduceOp, *tensors: torch.Tensor):
         ctx.replica_ctx = replica_ctx
         ctx.op = op
         return tuple(_merge_all_reduce(replica_ctx, op, tensors))
@@ -40,7 +57,7 @@ class _AllReduce(torch.autograd.Function):
         return (None, None, *reduced)
 
 
-def all_reduce(replica_ctx: Any, reduce_op: ReduceOp | str, value: Any) -> Any:
+def all_reduce(replica_ctx: MergingReplica, reduce_op: ReduceOp | str, value: Any) -> Any:
     op = ReduceOp.from_value(reduce_op)
     leaves, spec = nest.flatten(value)
     tensors = [torch.as_tensor(leaf) for leaf in leaves]
@@ -52,11 +69,11 @@ def all_reduce(replica_ctx: Any, reduce_op: ReduceOp | str, value: Any) -> Any:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, replica_ctx: Any, axis: int, *tensors: torch.Tensor):
+    def forward(ctx: Any, replica_ctx: MergingReplica, axis: int, *tensors: torch.Tensor):
         ctx.replica_ctx = replica_ctx
         ctx.axis = axis
 
-        def merge_fn(strategy: Any, *per_replica: Any) -> Any:
+        def merge_fn(strategy: StrategyLike, *per_replica: Any) -> Any:
             return strategy.extended.replica_all_gather(list(per_replica), axis)
 
         gathered, sizes = replica_ctx.merge_call_now(merge_fn, tensors, {})
@@ -74,7 +91,7 @@ class _AllGather(torch.autograd.Function):
         return (None, None, *out)
 
 
-def all_gather(replica_ctx: Any, value: Any, axis: int) -> Any:
+def all_gather(replica_ctx: MergingReplica, value: Any, axis: int) -> Any:
     leaves, spec = nest.flatten(value)
     tensors = [torch.as_tensor(leaf) for leaf in leaves]
     for t in tensors:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -115,7 +115,7 @@ class Model(nn.Module):
         self.module = module
         self.name = name or (type(module).__name__ if module is not None else type(self).__name__)
         # The scope we are made in; the parameters' owner wins when they say otherwise.
-        self._strategy: Strategy = (owner_of(module) if module is not None else None) or context.get_strategy()
+        self._strategy: Strategy = (owner_of(module) if module is not None else None) or cast(Strategy, context.get_strategy())
         self.training_state = TrainingState()
 
     @property
@@ -136,7 +136,7 @@ class Model(nn.Module):
         """Unpickled inside ``strategy.scope()``, the model is mirrored there as if made there."""
         super().__setstate__(state)
         capture_module(self)
-        self._strategy = context.get_strategy()
+        self._strategy = cast(Strategy, context.get_strategy())
 
     def __deepcopy__(self: _M, memo: dict[int, object]) -> _M:
         # A deep copy is an ordinary one (not a pickle round trip): it shares the strategy.

@@ -16,7 +16,7 @@ tensor(2.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -107,7 +107,8 @@ class Metric:
                 "and update them inside strategy.run()."
             )
         self.name = name if name is not None else self._default_name
-        self._strategy = get_strategy()
+        # Any: on the parameter-server paths its extended is a ParameterServerStrategyExtended.
+        self._strategy: Any = cast(Any, get_strategy())
         self._devices = [d.torch_device for d in self._strategy.extended.worker_devices]
         self._slots: list[Any] = [self._new_slot(device) for device in self._devices]
         # Under ParameterServerStrategy the state tensors live on the servers (see the class

@@ -36,7 +36,7 @@ from torch_distribute.values import (
 )
 
 
-def first_tensor(obj: Any) -> torch.Tensor | None:
+def first_tensor(obj: object) -> torch.Tensor | None:
     """The tensor that says whether ``obj`` was captured: the tensor itself, or a module's
     first parameter (else its first buffer)."""
     if isinstance(obj, nn.Module):
@@ -52,7 +52,7 @@ class StrategyExtended:
     mirrored family (``strategies/replicated.py``) adds per-replica copies.
     """
 
-    def __init__(self, strategy: Any, devices: tuple[LogicalDevice, ...]):
+    def __init__(self, strategy: context.StrategyLike, devices: tuple[LogicalDevice, ...]):
         self._strategy = strategy
         self.worker_devices: tuple[LogicalDevice, ...] = devices
         self._replica_devices = tuple(d.torch_device for d in devices)
@@ -128,7 +128,7 @@ class StrategyExtended:
     def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer was created inside ``scope()`` (after its ``__init__``)."""
 
-    def capture_scheduler(self, scheduler: Any) -> None:
+    def capture_scheduler(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         """An LR scheduler was created for an optimizer this strategy captured."""
 
     @property
@@ -141,7 +141,7 @@ class StrategyExtended:
     def finish_scope(self) -> None:
         """The outermost ``scope()`` of this strategy was left: finish what was captured."""
 
-    def owns(self, obj: Any) -> bool:
+    def owns(self, obj: object) -> bool:
         """Whether ``obj`` (a tensor or a module) holds state captured by this strategy."""
         return False
 
@@ -194,7 +194,7 @@ class StrategyExtended:
             return [exact_tensor(v) for v in value.values]
         return [exact_tensor(value)] * self.num_local_replicas
 
-    def local_copies(self, obj: Any) -> tuple[Any, ...] | None:
+    def local_copies(self, obj: object) -> tuple[torch.Tensor | nn.Module, ...] | None:
         """Each local replica's copy of a captured tensor or module, else ``None``."""
         return None
 
@@ -221,12 +221,12 @@ class StrategyExtended:
         """Whether any replica of any worker still has input (one process: the local answer)."""
         return local_has_data
 
-    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
+    def all_gather_objects(self, obj: object, what: str) -> list[Any]:
         """Small picklable values from every worker, in worker order (``what`` names it in errors)."""
         return [obj]
 
     @property
-    def coordination_store(self) -> Any | None:
+    def coordination_store(self) -> torch.distributed.Store | None:
         """A ``torch.distributed.Store`` every worker of the job reaches, or ``None``."""
         return None
 

@@ -35,7 +35,7 @@ from torch_distribute.strategies.single_replica import SingleReplicaExtended
 class MirroredReplicaContext(ReplicaContext):
     """Replica context whose ``merge_call`` meets the other replica threads."""
 
-    def __init__(self, strategy: Strategy, replica_id: int, threads: ReplicaThreads):
+    def __init__(self, strategy: context.StrategyLike, replica_id: int, threads: ReplicaThreads):
         super().__init__(strategy, replica_id)
         self._threads = threads
 
