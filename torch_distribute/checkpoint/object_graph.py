@@ -96,7 +96,7 @@ def owning_strategy(objects: Iterable[Any]) -> Any:
 
 def _object_strategy(obj: Any) -> Any | None:
     """The strategy that captured ``obj``, else the one in scope; ``None`` without either."""
-    owner = owner_of(obj)
+    owner: object | None = owner_of(obj)
     if owner is None and context.has_strategy():
         owner = context.get_strategy()
     return owner

@@ -115,7 +115,7 @@ class Model(nn.Module):
         self.module = module
         self.name = name or (type(module).__name__ if module is not None else type(self).__name__)
         # The scope we are made in; the parameters' owner wins when they say otherwise.
-        self._strategy: Strategy = (owner_of(module) if module is not None else None) or cast(Strategy, context.get_strategy())
+        self._strategy = cast(Strategy, (owner_of(module) if module is not None else None) or context.get_strategy())
         self.training_state = TrainingState()
 
     @property

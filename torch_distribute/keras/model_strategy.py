@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def owning_strategy(model_name: str, strategy: Strategy, tensors: Iterable[torch
     first = next(iter(tensors), None)
     owner = owner_of(first) if first is not None else None
     if owner is not None and strategy.is_default:
-        return owner
+        return cast(Strategy, owner)
     if owner is not None and owner is not strategy:
         raise ContextError(
             f"{model_name}'s parameters belong to {type(owner).__name__} but the model was wrapped under "

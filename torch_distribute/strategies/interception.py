@@ -57,7 +57,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -70,20 +70,43 @@ from torch_distribute.eager import never_compiled
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
 from torch_distribute.strategies import loss_scaling, nonfinite
 
+if TYPE_CHECKING:
+    from torch_distribute.strategies.extended import StrategyExtended
+
+
+class ScopedStrategy(Protocol):
+    """What interception uses of a ``Strategy`` (``base`` imports this module, so it cannot
+    name the class): the strategies pushed on the context stack and recorded as owners.
+
+    >>> import torch_distribute as td
+    >>> td.get_strategy().extended.intercepts_optimizer_steps
+    False
+    """
+
+    @property
+    def is_default(self) -> bool: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def extended(self) -> StrategyExtended: ...
+
+
 _install_lock = threading.Lock()
 # What install() did, each undone by calling it (last first); empty when not installed.
 _undo: list[Callable[[], None]] = []
-_strategies: weakref.WeakSet[Any] = weakref.WeakSet()
+_strategies: weakref.WeakSet[ScopedStrategy] = weakref.WeakSet()
 # Objects that know their strategy without holding a captured tensor (optimizers, metrics).
-_owners: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_owners: weakref.WeakKeyDictionary[object, ScopedStrategy] = weakref.WeakKeyDictionary()
 
 
-def register_strategy(strategy: Any) -> None:
+def register_strategy(strategy: ScopedStrategy) -> None:
     """Make ``owner_of`` consider ``strategy``'s captured tensors."""
     _strategies.add(strategy)
 
 
-def owner_of(obj: Any) -> Any | None:
+def owner_of(obj: object) -> ScopedStrategy | None:
     """The (non-default) strategy an object made in a scope belongs to, if any.
 
     Optimizers are recorded when made; a module or tensor belongs to the strategy
@@ -105,12 +128,13 @@ def owner_of(obj: Any) -> Any | None:
     return None
 
 
-def scope_strategy() -> Any | None:
+def scope_strategy() -> ScopedStrategy | None:
     """The non-default strategy whose scope we are directly in (not inside run), if any."""
     strategy = context.get_cross_replica_context()
     if strategy is None or strategy.is_default:
         return None
-    return strategy
+    # Only the strategies layer pushes frames: its strategies are Strategy objects.
+    return cast(ScopedStrategy, strategy)
 
 
 def _on_parameter(module: torch.nn.Module, name: str, param: Any) -> Any:
@@ -134,7 +158,7 @@ def _on_submodule(module: torch.nn.Module, name: str, submodule: Any) -> Any:
     return None
 
 
-def capture_module(module: torch.nn.Module) -> Any | None:
+def capture_module(module: torch.nn.Module) -> ScopedStrategy | None:
     """Hand an existing ``module`` to the strategy whose scope we are in, as if made there.
 
     For modules rebuilt without constructing them (unpickled: ``torch.load`` of a whole
@@ -167,7 +191,7 @@ def _eager(fn: Any) -> Any:
     return never_compiled(fn)
 
 
-def _route_optimizer(optimizer: torch.optim.Optimizer, extended: Any) -> None:
+def _route_optimizer(optimizer: torch.optim.Optimizer, extended: StrategyExtended) -> None:
     step = optimizer.step  # torch's bound step, hooks and profiling included
     zero_grad = optimizer.zero_grad
 
@@ -182,7 +206,7 @@ def _route_optimizer(optimizer: torch.optim.Optimizer, extended: Any) -> None:
     optimizer.zero_grad = types.MethodType(_eager(routed_zero_grad), optimizer)  # type: ignore[method-assign]
 
 
-def _route_scheduler(scheduler: Any, extended: Any) -> None:
+def _route_scheduler(scheduler: lr_scheduler.LRScheduler, extended: StrategyExtended) -> None:
     step = scheduler.step
 
     def routed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -255,11 +279,13 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
     return _eager(method)
 
 
-def _once_on_global_gradients(replica: Any, optimizers: list[torch.optim.Optimizer], call: Any) -> Any:
+def _once_on_global_gradients(
+    replica: context.ReplicaContextLike, optimizers: list[torch.optim.Optimizer], call: Callable[[], Any]
+) -> Any:
     """``call()`` once, in a ``merge_call``, with the gradients of ``optimizers`` summed over
     every replica and worker (``extended.apply_to_global_gradients``)."""
 
-    def once(strategy: Any) -> Any:
+    def once(strategy: ScopedStrategy) -> Any:
         on_global = call
         for optimizer in optimizers:
             on_global = functools.partial(strategy.extended.apply_to_global_gradients, optimizer, on_global)
@@ -268,7 +294,7 @@ def _once_on_global_gradients(replica: Any, optimizers: list[torch.optim.Optimiz
     return replica.merge_call(once)
 
 
-def _optimizers_holding(strategy: Any, params: list[torch.Tensor], function: str) -> list[torch.optim.Optimizer]:
+def _optimizers_holding(strategy: context.StrategyLike, params: list[torch.Tensor], function: str) -> list[torch.optim.Optimizer]:
     """The optimizers made in ``strategy``'s scope that hold ``params``; every one must be held."""
     wanted = {id(p) for p in params}
     holding = []

@@ -57,12 +57,15 @@ import contextvars
 import functools
 import re
 from collections.abc import Callable, Container
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_distribute import nest
 from torch_distribute.errors import LossScalingError
+
+if TYPE_CHECKING:
+    from torch_distribute.context import StrategyLike
 
 #: The inputs of the replica function running on this thread, while it runs.
 _replica_inputs: contextvars.ContextVar[tuple[tuple, dict] | None] = contextvars.ContextVar(
@@ -117,7 +120,7 @@ def batch_sizes(inputs: Any) -> set[int]:
     return sizes
 
 
-def check_backward(strategy: Any, num_replicas: int, tensors: Any, grad_tensors: Any) -> None:
+def check_backward(strategy: StrategyLike, num_replicas: int, tensors: Any, grad_tensors: Any) -> None:
     """Raise ``LossScalingError`` if a loss given to ``backward`` inside ``strategy.run`` is
     averaged over this replica's batch (see the module docstring). Called by the
     ``torch.autograd.backward`` wrapper in ``interception.py``."""

@@ -29,19 +29,22 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch_distribute import config
 from torch_distribute.errors import NonFiniteError
 
+if TYPE_CHECKING:
+    from torch_distribute.context import StrategyLike
+
 _lock = threading.Lock()
 # strategy -> {replica id: its last loss given to backward() inside run}
-_last_losses: weakref.WeakKeyDictionary[Any, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+_last_losses: weakref.WeakKeyDictionary[object, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def record_loss(strategy: Any, replica_id: int, tensors: Any) -> None:
+def record_loss(strategy: StrategyLike, replica_id: int, tensors: Any) -> None:
     """Remember the loss a replica gives ``backward()`` (called by the backward wrapper)."""
     if config.get_nonfinite_check() == "off":
         return
@@ -70,7 +73,7 @@ def gradients_finite(grads: list[torch.Tensor], exact: bool = False) -> torch.Te
 class NonFiniteMonitor:
     """One strategy's check: call ``check`` with the gradients about to be applied."""
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: StrategyLike):
         self._strategy = weakref.ref(strategy)
         self._reported = False
 
@@ -99,7 +102,7 @@ class NonFiniteMonitor:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
-def _message(where: str, per_worker: list[list[tuple[int, float]]], strategy: Any) -> str:
+def _message(where: str, per_worker: list[list[tuple[int, float]]], strategy: StrategyLike | None) -> str:
     found = [f"replica {replica} (worker {worker}): loss {loss}"
              for worker, replicas in enumerate(per_worker) for replica, loss in replicas]
     if found:
