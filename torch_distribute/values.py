@@ -112,7 +112,7 @@ def regroup(
     return nest.map_structure_up_to(list(per_replica_results), combine)
 
 
-def exact_tensor(leaf: Any) -> torch.Tensor:
+def exact_tensor(leaf: object) -> torch.Tensor:
     """``leaf`` as a tensor, Python numbers exactly (``int`` and ``bool`` as int64, ``float``
     as float64, ``complex`` as complex128), so that sums and means of them are exact.
 
@@ -130,7 +130,7 @@ def exact_tensor(leaf: Any) -> torch.Tensor:
     return torch.as_tensor(leaf)
 
 
-def is_dtensor(value: Any) -> bool:
+def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a DTensor, a tensor sharded over workers (none exists until
     ``torch.distributed.tensor`` is imported, which is left to those who shard: about 1 s of
     CPU).
@@ -148,7 +148,7 @@ def is_dtensor(value: Any) -> bool:
 _PYTHON_NUMBERS = (bool, int, float, complex)
 
 
-def is_tensor_like(leaf: Any) -> bool:
+def is_tensor_like(leaf: object) -> bool:
     """Whether ``leaf`` can be reduced: a tensor, a Python number, a NumPy array or scalar.
 
     >>> is_tensor_like(torch.ones(2)), is_tensor_like(3.0), is_tensor_like("3"), is_tensor_like(None)
@@ -159,12 +159,12 @@ def is_tensor_like(leaf: Any) -> bool:
     return type(leaf).__module__ == "numpy" and hasattr(leaf, "dtype")
 
 
-def _shown(leaf: Any) -> str:
+def _shown(leaf: object) -> str:
     text = repr(leaf)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_reducible(value: Any, what: str) -> None:
+def check_reducible(value: object, what: str) -> None:
     """Raise ``InvalidArgumentError`` unless every leaf of ``value`` (and every component of
     each ``PerReplica``/``Mirrored`` leaf) is a tensor, a Python number or a NumPy array.
 

@@ -41,13 +41,13 @@ class ClusterCoordinator:
             strategy's ``startup_timeout``).
     """
 
-    def __new__(cls, strategy: Any, worker_wait_timeout: float | None = None) -> ClusterCoordinator:
+    def __new__(cls, strategy: object, worker_wait_timeout: float | None = None) -> ClusterCoordinator:
         existing = strategy.extended.cluster_coordinator if isinstance(strategy, ParameterServerStrategy) else None
         if existing is not None:
             return existing
         return super().__new__(cls)
 
-    def __init__(self, strategy: Any, worker_wait_timeout: float | None = None):
+    def __init__(self, strategy: object, worker_wait_timeout: float | None = None):
         if getattr(self, "_strategy", None) is not None:
             return
         if not isinstance(strategy, ParameterServerStrategy):
@@ -116,7 +116,7 @@ class ClusterCoordinator:
         """``val`` with every ``RemoteValue`` in it replaced by its fetched value."""
         return nest.map_structure(lambda v: v.fetch() if isinstance(v, RemoteValue) else v, val)
 
-    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+    def create_per_worker_dataset(self, dataset_fn: object) -> PerWorkerDataset:
         """A dataset built on each worker by ``dataset_fn()`` (or ``dataset_fn(input_context)``).
 
         ``dataset_fn`` (any function, a closure included, sent as ``schedule`` sends

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -74,6 +74,9 @@ from torch_distribute.values import (
     check_same_layout,
     exact_tensor,
 )
+
+if TYPE_CHECKING:
+    from torch_distribute.cluster import ClusterResolver
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -129,7 +132,7 @@ class Strategy:
         return False
 
     @property
-    def cluster_resolver(self) -> Any:
+    def cluster_resolver(self) -> ClusterResolver | None:
         return None
 
     # -- checks ------------------------------------------------------------------------------
@@ -240,7 +243,7 @@ class Strategy:
             self._check_components("strategy.reduce", leaf, axis)
         return nest.map_structure(lambda v: self._reduce_one(op, v, axis), value)
 
-    def _check_components(self, what: str, leaf: Any, axis: int | None, *, gather: bool = False) -> None:
+    def _check_components(self, what: str, leaf: object, axis: int | None, *, gather: bool = False) -> None:
         """Axis in range and the replicas' components alike (shapes and dtypes, no data)."""
         if isinstance(leaf, DistributedValues):
             components = [exact_tensor(v) for v in leaf.values]
