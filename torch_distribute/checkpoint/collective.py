@@ -23,20 +23,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_distribute.checkpoint.file_io import read_checksum
 from torch_distribute.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from torch_distribute.strategies.extended import StrategyExtended
+
 __all__ = ["num_workers", "write_collectively"]
 
 
-def num_workers(extended: Any) -> int:
+def num_workers(extended: object) -> int:
     """Workers in sync under ``extended`` (1 for a strategy that does not say)."""
     return int(getattr(extended, "num_workers_in_sync", 1))
 
 
-def write_collectively(extended: Any, path: str, write: Callable[[], str]) -> None:
+def write_collectively(extended: StrategyExtended, path: str, write: Callable[[], str]) -> None:
     """Run ``write`` (which writes ``path`` and returns its SHA-256) where a file must be
     written, and return on every worker once the chief's file is complete.
 

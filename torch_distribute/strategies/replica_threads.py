@@ -21,7 +21,7 @@ import atexit
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -147,8 +147,8 @@ class ReplicaThreads:
         torch.set_num_threads(self._full_threads)
 
     # -- called by the strategy -----------------------------------------------------------
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: Any,
-            replica_contexts: list[Any], modes: list[TorchFunctionMode]) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: context.StrategyLike,
+            replica_contexts: Sequence[context.ReplicaContextLike], modes: list[TorchFunctionMode]) -> Any:
         """Run ``fn`` on every replica; ``replica_contexts[k]``/``modes[k]`` are replica k's."""
         if not self._run_lock.acquire(blocking=False):
             raise ContextError(

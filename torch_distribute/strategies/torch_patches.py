@@ -29,10 +29,13 @@ import dataclasses
 import inspect
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_distribute import eager
 from torch_distribute.strategies import interception
+
+if TYPE_CHECKING:
+    from torch_distribute.context import StrategyLike
 
 #: The torch versions on which every ``torch_target`` and ``signature`` below was checked.
 TORCH_VERSIONS_CHECKED = ("2.13",)
@@ -218,7 +221,7 @@ _lock = threading.Lock()
 _finalizers: list[weakref.finalize[Any, Any]] = []
 
 
-def strategy_created(strategy: Any) -> None:
+def strategy_created(strategy: StrategyLike) -> None:
     """Install what ``strategy`` needs (``Strategy.__init__`` calls this): ``never_compiled``
     watching for dynamo, for every strategy; ``interception.py``'s hooks and wrappers, for one
     other than the default strategy, until the last of those is garbage-collected."""
