@@ -19,9 +19,12 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch_distribute.errors import ContextError
+
+if TYPE_CHECKING:
+    from torch_distribute.reduce_op import ReduceOp
 
 
 class ExtendedLike(Protocol):
@@ -40,7 +43,7 @@ class ExtendedLike(Protocol):
 
     def owns(self, obj: object) -> bool: ...
 
-    def replica_all_reduce(self, reduce_op: Any, per_replica: list[Any]) -> list[Any]: ...
+    def replica_all_reduce(self, reduce_op: ReduceOp, per_replica: list[Any]) -> list[Any]: ...
 
     def replica_all_gather(self, per_replica: list[Any], axis: int) -> tuple[list[Any], list[tuple[int, ...]]]: ...
 
@@ -70,7 +73,7 @@ class StrategyLike(Protocol):
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> Any: ...
 
-    def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any: ...
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any: ...
 
     def gather(self, value: Any, axis: int) -> Any: ...
 
@@ -104,7 +107,7 @@ class ReplicaContextLike(Protocol):
         self, merge_fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any: ...
 
-    def all_reduce(self, reduce_op: Any, value: Any) -> Any: ...
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any: ...
 
     def all_gather(self, value: Any, axis: int) -> Any: ...
 

@@ -15,7 +15,7 @@ tensor(3.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from torch_distribute.values import (
     check_same_layout,
     select_replica,
 )
+
+if TYPE_CHECKING:
+    from torch_distribute.reduce_op import ReduceOp
 
 
 class ReplicaContext:
@@ -95,7 +98,7 @@ class ReplicaContext:
         # This process's only replica takes its component of per-replica results.
         return select_replica(0, result)
 
-    def all_reduce(self, reduce_op: Any, value: Any) -> Any:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
         """Reduce ``value`` (a tensor or nest of tensors) over all replicas; differentiable.
 
         Raises:

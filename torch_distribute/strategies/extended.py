@@ -69,7 +69,7 @@ class StrategyExtended:
         return self._replica_devices[0]
 
     @property
-    def parameter_devices(self) -> tuple[Any, ...]:
+    def parameter_devices(self) -> tuple[LogicalDevice, ...]:
         return self.worker_devices
 
     @property
