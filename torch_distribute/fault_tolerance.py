@@ -34,7 +34,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from torch_distribute.checkpoint import (
 from torch_distribute.checkpoint.collective import num_workers
 from torch_distribute.checkpoint.file_io import remove_checkpoint
 from torch_distribute.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 _PREEMPTION_KEY = "td/preemption_step"
 PREEMPTION_EXIT_CODE = 143  # 128 + SIGTERM, what a process killed by SIGTERM reports
@@ -103,7 +106,7 @@ class BackupAndRestore:
         handle_preemption: bool = True,
         generators: Iterable[torch.Generator] = (),
         exit_fn: Callable[[], None] | None = None,
-        strategy: Any = None,
+        strategy: Strategy | None = None,
     ):
         checkpoint = (
             checkpoint_or_manager.checkpoint

@@ -15,7 +15,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.estimator.run_config import RunConfig
 from torch_distribute.keras.callbacks.base import Callback
 from torch_distribute.keras.model import Model
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 
 class _StepCounter(Callback):
@@ -76,7 +79,7 @@ class Estimator:
             strategy = self.config.eval_distribute or self.config.train_distribute
         return strategy or context.get_strategy()
 
-    def _build(self, strategy: Any) -> tuple[Model, CheckpointManager, torch.Tensor]:
+    def _build(self, strategy: Strategy) -> tuple[Model, CheckpointManager, torch.Tensor]:
         key = id(strategy)
         if key not in self._models:
             if self.config.tf_random_seed is not None:

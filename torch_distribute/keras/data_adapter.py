@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from torch_distribute.input import (
 )
 from torch_distribute.keras.dataset_creator import DatasetCreator
 from torch_distribute.values import PerReplica
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 __all__ = ["ArrayBatches", "DataHandler", "IterableBatches", "make_handler", "unpack"]
 
@@ -186,7 +189,7 @@ class DataHandler:
     [2, 2, 1]
     """
 
-    def __init__(self, strategy: Any, source: ArrayBatches | IterableBatches | None,
+    def __init__(self, strategy: Strategy, source: ArrayBatches | IterableBatches | None,
                  distributed: Any = None, steps_per_epoch: int | None = None,
                  input_options: InputOptions = DATA_SHARDING):
         self.strategy = strategy
@@ -348,7 +351,7 @@ def _per_replica(values: list[int]) -> Any:
 
 
 def make_handler(
-    strategy: Any,
+    strategy: Strategy,
     x: Any,
     y: Any = None,
     sample_weight: Any = None,
@@ -411,7 +414,7 @@ def make_handler(
     return DataHandler(strategy, ArrayBatches(xs, ys, ws, batch_size, shuffle, seed), steps_per_epoch=steps_per_epoch)
 
 
-def _own_sharding(strategy: Any, x: Any) -> tuple[Any, InputOptions]:
+def _own_sharding(strategy: Strategy, x: Any) -> tuple[Any, InputOptions]:
     """The dataset's own sharding policy (``td.data.with_options``) if it has one, else DATA.
 
     FILE shards the dataset here, once (its ``shard(num_shards, index)``); its batches are

@@ -21,7 +21,7 @@ False
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,10 +44,13 @@ from torch_distribute.keras.training_loops import (
 )
 from torch_distribute.strategies import ParameterServerStrategy
 
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
+
 __all__ = ["Repeated", "check_predict", "dataset_function", "evaluate_loop", "fit_loop", "run_test_steps", "run_train_steps", "uses_coordinator"]
 
 
-def uses_coordinator(strategy: Any) -> bool:
+def uses_coordinator(strategy: Strategy) -> bool:
     """Whether ``fit``/``evaluate`` under ``strategy`` schedule their steps on workers."""
     return isinstance(strategy, ParameterServerStrategy)
 
@@ -63,7 +66,7 @@ def _rows(batch: Any) -> int:
     return int(leaves[0].shape[0])
 
 
-def run_train_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: int) -> None:
+def run_train_steps(strategy: Strategy, steps: ReplicaSteps, iterator: Any, count: int) -> None:
     """``count`` train steps on this worker's batches (a scheduled function: runs on a worker).
 
     Each step is one optimizer step on one batch of the worker's dataset (the loss is the
@@ -77,7 +80,7 @@ def run_train_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: in
         strategy.run(steps.train_step, args=(batch, _rows(batch)))
 
 
-def run_test_steps(strategy: Any, steps: ReplicaSteps, iterator: Any, count: int) -> None:
+def run_test_steps(strategy: Strategy, steps: ReplicaSteps, iterator: Any, count: int) -> None:
     """``count`` test steps on this worker's batches (a scheduled function: runs on a worker)."""
     model = steps.model
     assert isinstance(model, nn.Module)  # evaluate under ParameterServerStrategy: a td.keras.Model
@@ -184,7 +187,7 @@ def _check_model(model: TrainableModel, callbacks: Sequence[Callback] | None, ji
             "td.keras.callbacks.ModelCheckpoint or td.Checkpoint(model=..., optimizer=...) on the coordinator.")
 
 
-def check_predict(strategy: Any) -> None:
+def check_predict(strategy: Strategy) -> None:
     """Raise ``InvalidArgumentError``: ``predict`` is not supported under ``ParameterServerStrategy``."""
     if uses_coordinator(strategy):
         raise InvalidArgumentError(
@@ -207,7 +210,7 @@ def _executions(total: int, per_execution: int) -> list[int]:
 # -- fit -------------------------------------------------------------------------------------------------
 def fit_loop(
     model: TrainableModel,
-    strategy: Any,
+    strategy: Strategy,
     steps: ReplicaSteps,
     x: Any,
     *,
@@ -263,7 +266,7 @@ def fit_loop(
     return history
 
 
-def _train_epoch(model: TrainableModel, strategy: Any, steps: ReplicaSteps, coordinator: ClusterCoordinator,
+def _train_epoch(model: TrainableModel, strategy: Strategy, steps: ReplicaSteps, coordinator: ClusterCoordinator,
                  iterator: Any, steps_per_epoch: int, callback_list: CallbackList) -> None:
     wants_logs = callback_list.wants_batch_logs("train")
     step = 0
@@ -278,7 +281,7 @@ def _train_epoch(model: TrainableModel, strategy: Any, steps: ReplicaSteps, coor
     coordinator.join()
 
 
-def _test(model: TrainableModel, strategy: Any, steps: ReplicaSteps, coordinator: ClusterCoordinator,
+def _test(model: TrainableModel, strategy: Strategy, steps: ReplicaSteps, coordinator: ClusterCoordinator,
           iterator: Any, num_steps: int, callback_list: CallbackList) -> dict[str, float]:
     wants_logs = callback_list.wants_batch_logs("test")
     model.reset_metrics()
@@ -298,7 +301,7 @@ def _test(model: TrainableModel, strategy: Any, steps: ReplicaSteps, coordinator
 # -- evaluate --------------------------------------------------------------------------------------------
 def evaluate_loop(
     model: TrainableModel,
-    strategy: Any,
+    strategy: Strategy,
     steps: ReplicaSteps,
     x: Any,
     *,

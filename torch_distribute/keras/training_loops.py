@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -38,6 +38,9 @@ from torch_distribute.keras.callbacks.progbar_logger import ProgbarLogger
 from torch_distribute.keras.data_adapter import DataHandler, make_handler
 from torch_distribute.keras.replica_steps import ReplicaSteps
 from torch_distribute.mixed_precision import LossScaleOptimizer
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 __all__ = [
     "TrainableModel",
@@ -93,7 +96,7 @@ class _FitState:
 # -- fit -----------------------------------------------------------------------------------------
 def fit_loop(
     model: TrainableModel,
-    strategy: Any,
+    strategy: Strategy,
     steps: ReplicaSteps,
     x: Any,
     y: Any,
@@ -190,7 +193,7 @@ def _train_epoch(model: TrainableModel, steps: ReplicaSteps, batches: Any, handl
 # -- evaluate --------------------------------------------------------------------------------------
 def evaluate_loop(
     model: TrainableModel,
-    strategy: Any,
+    strategy: Strategy,
     steps: ReplicaSteps,
     x: Any,
     y: Any = None,
@@ -229,7 +232,7 @@ def _test_loop(model: TrainableModel, steps: ReplicaSteps, handler: DataHandler,
 # -- predict ---------------------------------------------------------------------------------------
 def predict_loop(
     model: TrainableModel,
-    strategy: Any,
+    strategy: Strategy,
     steps: ReplicaSteps,
     x: Any,
     *,
@@ -292,7 +295,7 @@ def make_callbacks(model: TrainableModel, callbacks: Sequence[Callback] | None, 
     return CallbackList(ordered, model, {"verbose": verbose, **params}), record, (backups[0] if backups else None)
 
 
-def _open_backup(model: TrainableModel, strategy: Any, callback: BackupAndRestore | None, handler: DataHandler,
+def _open_backup(model: TrainableModel, strategy: Strategy, callback: BackupAndRestore | None, handler: DataHandler,
                  fit_state: _FitState, history: History, callback_list: CallbackList) -> _Backup | None:
     if callback is None:
         return None
@@ -305,7 +308,7 @@ def _open_backup(model: TrainableModel, strategy: Any, callback: BackupAndRestor
                    delete_checkpoint=callback.delete_checkpoint, generators=handler.generators(), strategy=strategy)
 
 
-def _shared_seed(strategy: Any) -> int:
+def _shared_seed(strategy: Strategy) -> int:
     """A shuffling seed from the torch RNG, the chief's on every worker."""
     local = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
     if strategy.num_replicas_in_sync == strategy.extended.num_local_replicas:
