@@ -88,7 +88,8 @@ class _ThreadState:
 class _Run:
     """Everything about one ``run`` call that the replicas and the merger need."""
 
-    def __init__(self, fn, args, kwargs, strategy, replica_contexts, modes, n):
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: context.StrategyLike,
+                 replica_contexts: Sequence[context.ReplicaContextLike], modes: list[TorchFunctionMode], n: int) -> None:
         self.fn = fn
         self.args = [select_replica(k, args) for k in range(n)]
         self.kwargs = [select_replica(k, kwargs) for k in range(n)]
