@@ -4,7 +4,9 @@ Each thread has a stack of frames. ``strategy.scope()`` pushes a cross-replica f
 ``strategy.run`` runs every replica under a replica frame; ``merge_call`` pushes a
 cross-replica frame again. With nothing pushed, the default strategy and its default
 replica context are current. This module knows strategies and replica contexts only as the
-objects the layers above push; it never imports them.
+objects the layers above push, through the Protocols ``StrategyLike``, ``ExtendedLike`` and
+``ReplicaContextLike`` (the members this layer and the ones up to the replica context use);
+it never imports them.
 
 >>> import torch_distribute as td
 >>> td.in_cross_replica_context()
