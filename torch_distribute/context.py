@@ -18,7 +18,7 @@ False
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -80,6 +80,10 @@ class StrategyLike(Protocol):
     def gather(self, value: Any, axis: int) -> Any: ...
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]: ...
+
+    def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None) -> Iterable[Any]: ...
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Iterable[Any]], options: Any = None) -> Iterable[Any]: ...
 
 
 class ReplicaContextLike(Protocol):
