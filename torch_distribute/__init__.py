@@ -39,12 +39,7 @@ from torch_distribute.collectives.communication import (
     CommunicationOptions,
 )
 from torch_distribute.compiled_function import Function, function
-from torch_distribute.context import (
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-)
+from torch_distribute.context import has_strategy, in_cross_replica_context
 from torch_distribute.errors import (
     CheckpointError,
     ClosureCancelledError,
@@ -90,6 +85,8 @@ from torch_distribute.strategies import (
     ParameterServerStrategy,
     Strategy,
     StrategyExtended,
+    get_replica_context,
+    get_strategy,
 )
 from torch_distribute.values import DistributedValues, Mirrored, PerReplica
 

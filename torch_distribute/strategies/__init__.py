@@ -1,6 +1,6 @@
 """Strategies: one module per strategy, all on the ``Strategy`` base."""
 
-from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.base import Strategy, get_replica_context, get_strategy
 from torch_distribute.strategies.central_storage import CentralStorageStrategy
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.strategies.fully_sharded import FullyShardedStrategy, default_shard_policy
@@ -11,6 +11,8 @@ from torch_distribute.strategies.parameter_server import ParameterServerStrategy
 from torch_distribute.strategies.single_replica import OneDeviceStrategy
 
 __all__ = [
+    "get_replica_context",
+    "get_strategy",
     "CentralStorageStrategy",
     "FullyShardedStrategy",
     "MirroredReplicaContext",

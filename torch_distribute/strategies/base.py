@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from torch_distribute.input import (
     ValueContext,
 )
 from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies import interception, loss_scaling, torch_patches
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.values import (
@@ -78,7 +79,7 @@ from torch_distribute.values import (
 if TYPE_CHECKING:
     from torch_distribute.cluster import ClusterResolver
 
-__all__ = ["Strategy", "StrategyExtended"]
+__all__ = ["Strategy", "StrategyExtended", "get_replica_context", "get_strategy"]
 
 _log = log.get_logger("strategies")
 
@@ -385,3 +386,28 @@ def _detached(value: Any) -> Any:
         return leaf.detach() if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
 
     return nest.map_structure(detach, value)
+
+
+def get_strategy() -> Strategy:
+    """The strategy in use: the one whose scope or ``run`` we are in, else the default.
+
+    Typed as the ``Strategy`` it is (the layers below the strategies see it through
+    ``context.StrategyLike``).
+
+    >>> import torch_distribute as td
+    >>> td.get_strategy().num_replicas_in_sync
+    1
+    """
+    return cast(Strategy, context.get_strategy())
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current ``ReplicaContext``; ``None`` in cross-replica context.
+
+    With no strategy, the default strategy's single replica context.
+
+    >>> import torch_distribute as td
+    >>> td.get_replica_context().replica_id_in_sync_group
+    0
+    """
+    return cast("ReplicaContext | None", context.get_replica_context())
