@@ -37,7 +37,7 @@ from torch import nn
 
 from torch_distribute.errors import InvalidArgumentError
 
-__all__ = ["KIND", "class_paths", "decode_module", "encode_module", "module_class"]
+__all__ = ["KIND", "decode_module", "encode_module", "module_class"]
 
 KIND = "module"
 _TAG = "__td_keras__"
@@ -168,24 +168,6 @@ def encode_module(module: nn.Module, what: str, encode: Encode, path_of: PathOf)
     or hooks (which a record does not keep).
     """
     return _Encoder(encode, path_of, what).module(module, "")
-
-
-def class_paths(record: Any) -> list[str]:
-    """Every class path named by the module records inside ``record`` (for the allowlist)."""
-    found: list[str] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-        elif isinstance(value, dict):
-            if value.get(_TAG) == KIND:
-                found.append(value["cls"])
-            for item in value.values():
-                walk(item)
-
-    walk(record)
-    return found
 
 
 class _Decoder:
