@@ -111,10 +111,7 @@ class Rendezvous:
             main = dist.group.WORLD
             _log.info("worker %d of %d: process group on backend %s, rendezvous at %s:%d, timeout %ss",
                       rank, world_size, backend, host, member.port, options.timeout)
-            # Gradients travel on their own group so they never interleave with other collectives.
-            gradient = self._start_up_step(
-                "start-up: the gradient group",
-                lambda: dist.new_group(backend=backend, timeout=member.collective_timeout))
+            gradient = self._gradient_group(backend)
         except BaseException:
             self._liveness.stop(wait=False)
             raise
@@ -141,13 +138,18 @@ class Rendezvous:
         self._authenticate(store)
         self._liveness.start()
         try:
-            gradient = self._start_up_step(
-                "start-up: the gradient group",
-                lambda: dist.new_group(backend=backend, timeout=member.collective_timeout))
+            gradient = self._gradient_group(backend)
         except BaseException:
             self._liveness.stop(wait=False)
             raise
         return Joined(store, ProcessGroups(main, gradient, uses_nccl="nccl" in backend, adopted=True))
+
+    def _gradient_group(self, backend: str) -> dist.ProcessGroup:
+        """Gradients travel on a group of their own, so they never interleave with other
+        collectives."""
+        return self._start_up_step(
+            "start-up: the gradient group",
+            lambda: dist.new_group(backend=backend, timeout=self._member.collective_timeout))
 
     def _adoption_step(self, what: str, call: Callable[[], _Result]) -> _Result:
         """``call()`` (a collective over the adopted group) within the deadline; the error
