@@ -20,20 +20,36 @@ sys.path.insert(0, os.path.join(HERE, "workers"))
 import ps_job  # noqa: E402  (the job's model classes, for the plain-module checks)
 
 
-def _run(scenario, directory, restart_workers=False):
+def _run_scenarios(scenarios, directory, restart_workers=False):
+    """Run the scenarios in order in one local cluster: ``({scenario: result}, output)``."""
     out = io.StringIO()
-    code = run_local_cluster([JOB, "--scenario", scenario, "--dir", str(directory)], 2, 2,
-                             restart_workers=restart_workers, timeout=170, stdout=out)
+    argv = [JOB, "--dir", str(directory)]
+    for scenario in scenarios:
+        argv += ["--scenario", scenario]
+    code = run_local_cluster(argv, 2, 2, restart_workers=restart_workers, timeout=170, stdout=out)
     text = out.getvalue()
     assert code == 0, text[-4000:]
-    lines = [line.split("RESULT ", 1)[1] for line in text.splitlines() if "RESULT " in line]
-    assert lines, text[-4000:]
-    return json.loads(lines[-1]), text
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT " in line]
+    by_scenario = {result.pop("scenario"): result for result in results}
+    assert list(by_scenario) == list(scenarios), text[-4000:]
+    return by_scenario, text
+
+
+def _run(scenario, directory, restart_workers=False):
+    results, text = _run_scenarios([scenario], directory, restart_workers)
+    return results[scenario], text
+
+
+@pytest.fixture(scope="module")
+def count_then_user_error(tmp_path_factory):
+    """The two scenarios that stop no process, run one after the other in one cluster."""
+    results, _ = _run_scenarios(["count", "user_error"], tmp_path_factory.mktemp("ps_count"))
+    return results
 
 
 @pytest.mark.timeout(200)
-def test_schedule_join_counts(tmp_path):
-    result, _ = _run("count", tmp_path)
+def test_schedule_join_counts(count_then_user_error):
+    result = count_then_user_error["count"]
     assert result["first"] == 10  # five `total += next(it)` over a per-worker dataset of 2s
     assert result["second"] == 20
     assert result["done"] is True
@@ -43,8 +59,8 @@ def test_schedule_join_counts(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_first_error_raised_once_and_queued_functions_cancelled(tmp_path):
-    result, _ = _run("user_error", tmp_path)
+def test_first_error_raised_once_and_queued_functions_cancelled(count_then_user_error):
+    result = count_then_user_error["user_error"]  # after `count` on the same coordinator
     assert result["join_raised"] == "bad input 7"
     assert result["queued"] == [0, 1]
     assert result["later"].count("cancelled") >= 18  # at most the in-flight ones ran

@@ -1,7 +1,8 @@
 """A ParameterServerStrategy job for the tests: every task runs this script (TF_CONFIG).
 
-Scenarios (``--scenario``): ``count``, ``worker_failure``, ``ps_failure``, ``checkpoint``,
-``user_error``. The chief prints one JSON line ``RESULT {...}``.
+Scenarios (``--scenario``, repeatable: they run in order on one strategy and coordinator):
+``count``, ``worker_failure``, ``ps_failure``, ``checkpoint``, ``user_error``. The chief prints
+one JSON line ``RESULT {...}`` per scenario, with its name under ``"scenario"``.
 """
 
 from __future__ import annotations
@@ -79,16 +80,17 @@ def slow(x):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenario", required=True, action="append")
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
     if td.distribute_server(rpc_timeout=20, chief_timeout=15):
         return
-    partitioner = td.partitioners.FixedShardsPartitioner(5) if args.scenario == "checkpoint" else None
+    partitioner = td.partitioners.FixedShardsPartitioner(5) if "checkpoint" in args.scenario else None
     strategy = td.ParameterServerStrategy(variable_partitioner=partitioner, rpc_timeout=20, startup_timeout=90)
     coordinator = td.coordinator.ClusterCoordinator(strategy)
-    result = globals()[f"scenario_{args.scenario}"](strategy, coordinator, args.dir)
-    print("RESULT " + json.dumps(result), flush=True)
+    for scenario in args.scenario:
+        result = globals()[f"scenario_{scenario}"](strategy, coordinator, args.dir)
+        print("RESULT " + json.dumps({"scenario": scenario, **result}), flush=True)
 
 
 def scenario_count(strategy, coordinator, directory):
