@@ -86,14 +86,14 @@ def _spawn_job(procs: P.Processes, nproc: int, argv: list[str], name: str) -> li
                         f"{name}-w{r}") for r in range(nproc)]
 
 
-def _launch(argv: list[str], nproc: int, env_mode: str) -> dict:
+def _launch(argv: list[str], nproc: int, env_mode: str, timeout: float = LAUNCH_TIMEOUT_S) -> dict:
     """Run a job under the launcher (in this process); every worker is stopped when it returns."""
     out, err = io.StringIO(), io.StringIO()
     before = set(P.descendants(os.getpid()))
     started = time.monotonic()
     try:
         code = launch([JOB, "--timeout", str(JOB_TIMEOUT_S), *argv], nproc, env_mode=env_mode,
-                      grace_period=2, timeout=LAUNCH_TIMEOUT_S,
+                      grace_period=2, timeout=timeout,
                       extra_env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                                  "TORCHINDUCTOR_COMPILE_THREADS": "1"},
                       stdout=out, stderr=err)
@@ -482,6 +482,7 @@ def test_bf16_mixed_precision_trains_and_tracks_float32(side_jobs, bf16_one_work
 
 
 # -- 8. a compiled step -----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_td_function_step_with_one_local_worker_equals_eager(reference):
     torch._dynamo.reset()
@@ -505,7 +506,8 @@ def test_td_function_step_with_one_local_worker_equals_eager(reference):
 
 @pytest.fixture(scope="module")
 def job2_compiled():
-    return _launch(["--compiled", "--no-train"], 2, "torchrun")
+    # Both workers compile cold at once: on 2 loaded cores this took over 100 s once.
+    return _launch(["--compiled", "--no-train"], 2, "torchrun", timeout=2 * LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.timeout(300)

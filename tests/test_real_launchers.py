@@ -168,8 +168,12 @@ def test_slurm_srun_and_sbatch_without_srun(processes, reference, slurm, tmp_pat
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     env = P.clean_env(TD_JOB_SECRET_FILE=str(secret))
-    srun = [tool("srun") or "srun", "-n", "2", "--time", "5", sys.executable, "-u", JOB, "--timeout", "60"]
-    reports = H.parse_results(run_launcher(processes, srun, env, "srun"))
+    # One output file per task: srun forwards a task's output in chunks, so the two workers'
+    # long result lines can interleave on srun's own stdout.
+    srun = [tool("srun") or "srun", "-n", "2", "--time", "5", "--output", str(tmp_path / "task-%t.out"),
+            sys.executable, "-u", JOB, "--timeout", "60"]
+    run_launcher(processes, srun, env, "srun")
+    reports = H.parse_results("".join((tmp_path / f"task-{task}.out").read_text() for task in range(2)))
     check_reports(reports, reference)
     assert {r["resolver"] for r in reports.values()} == {"SlurmClusterResolver"}
     # The script run by sbatch itself, without srun: one worker (the same global batch, so
