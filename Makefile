@@ -44,14 +44,15 @@ docs: setup
 docs-serve: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
-# The suite in two passes on 2 pytest-xdist workers: in-process tests spread test by test, then
-# the tests that start processes (marked `serial` by tests/conftest.py) spread file by file,
-# so that a module's training job (a module-scoped fixture) runs once. Byte-compiled first:
+# The suite in two passes on 2 pytest-xdist workers: in-process tests handed out a few at a time
+# (`--dist loadgroup` without groups), the `slow` ones first so that they run side by side,
+# then the tests that start processes (marked `serial` by tests/conftest.py) spread file by
+# file, so that a module's training job (a module-scoped fixture) runs once. Byte-compiled first:
 # the suite starts hundreds of worker processes, and where PYTHONDONTWRITEBYTECODE is set each
 # of them would compile the package again (0.7 s of CPU each).
 test: lint typecheck docs
 	$(PY) -m compileall -q torch_distribute tests examples benchmarks > /dev/null
-	$(PY) -m pytest -q -m "not serial" -n 2
+	$(PY) -m pytest -q -m "not serial" -n 2 --dist loadgroup
 	$(PY) -m pytest -q -m serial -n 2 --dist loadfile
 
 bench: setup

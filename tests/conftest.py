@@ -10,6 +10,11 @@ body, the fixtures it asks for, and the functions they call that are defined in 
 (followed through their names, so ``_run_job()`` calling ``subprocess.run`` counts, and an
 in-process test in the same file as a multi-process one does not). Where the code cannot be
 read, the test is serial. ``pytestmark = pytest.mark.serial`` marks a module by hand.
+
+Tests marked ``slow`` (minutes of inductor compilation on a cold cache) are moved to the front,
+the longest declared timeout first: ``make test`` hands the in-process tests to the xdist
+workers a few at a time in this order (``--dist loadgroup``), so the slow ones run side by side
+at the start instead of ending the pass alone on one worker.
 """
 
 from __future__ import annotations
@@ -109,7 +114,16 @@ def _is_serial(item: pytest.Item) -> bool:
     return any(_starts_processes(f) for f in [*functions, *_fixture_functions(item)])
 
 
+def _start_order(item: pytest.Item) -> tuple[bool, float]:
+    """Slow tests first, the longest declared timeout first; the rest keep their order."""
+    if item.get_closest_marker("slow") is None:
+        return (True, 0.0)
+    timeout = item.get_closest_marker("timeout")
+    return (False, -float(timeout.args[0]) if timeout is not None and timeout.args else 0.0)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _is_serial(item):
             item.add_marker(pytest.mark.serial)
+    items.sort(key=_start_order)  # stable

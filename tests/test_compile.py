@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import torch_distribute as td
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 GLOBAL_BATCH = 16
 STRATEGIES = {

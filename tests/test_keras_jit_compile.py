@@ -10,7 +10,7 @@ import torch
 
 import torch_distribute as td
 
-pytestmark = pytest.mark.timeout(300)  # compiling is slow on 2 CPU cores
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # compiling is slow on 2 CPU cores
 
 N, BATCH = 64, 24  # batches of 24, 24 and a ragged 16
 STRATEGIES = {
