@@ -44,8 +44,22 @@ def _launch(backup_dir, *extra, max_restarts=0):
     return code, stdout.getvalue(), stderr.getvalue()
 
 
-def test_single_process_killed_and_restarted_equals_uninterrupted(tmp_path):
-    reference = _results(_run_single(tmp_path / "ref").stdout)[0]
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory) -> dict:
+    """One process trained without interruption (backups every 3 steps): its result line."""
+    return _results(_run_single(tmp_path_factory.mktemp("single_ref")).stdout)[0]
+
+
+@pytest.fixture(scope="module")
+def multi_reference(tmp_path_factory) -> dict[int, dict]:
+    """Two workers trained without interruption: every rank's result line."""
+    code, out, err = _launch(tmp_path_factory.mktemp("multi_ref"))
+    assert code == 0, err
+    return _results(out)
+
+
+def test_single_process_killed_and_restarted_equals_uninterrupted(tmp_path, single_reference):
+    reference = single_reference
     crashed = _run_single(tmp_path / "b", "--kill-at", "7")
     assert crashed.returncode == -9  # killed mid-epoch (epoch 0 has 8 steps)
     resumed = _run_single(tmp_path / "b", attempt=1)
@@ -57,8 +71,8 @@ def test_single_process_killed_and_restarted_equals_uninterrupted(tmp_path):
     assert not os.path.exists(tmp_path / "b" / "checkpoint")  # backup deleted at the end
 
 
-def test_restart_at_epoch_boundary_with_epoch_backups(tmp_path):
-    reference = _results(_run_single(tmp_path / "ref", "--save-freq", "epoch").stdout)[0]
+def test_restart_at_epoch_boundary_with_epoch_backups(tmp_path, single_reference):
+    reference = single_reference  # backing up every epoch instead of every 3 steps changes nothing
     crashed = _run_single(tmp_path / "b", "--save-freq", "epoch", "--kill-at", "11")
     assert crashed.returncode == -9
     resumed = _run_single(tmp_path / "b", "--save-freq", "epoch", attempt=1)
@@ -75,10 +89,8 @@ def test_sigterm_single_worker_saves_and_exits(tmp_path):
     assert "restored epoch=0 step=5" in resumed.stdout  # saved at the preemption step
 
 
-def test_multi_worker_kill_and_restart_equals_uninterrupted(tmp_path):
-    code, out, err = _launch(tmp_path / "ref")
-    assert code == 0, err
-    reference = _results(out)
+def test_multi_worker_kill_and_restart_equals_uninterrupted(tmp_path, multi_reference):
+    reference = multi_reference
     code, out, err = _launch(tmp_path / "b", "--kill-at", "10", max_restarts=1)
     assert code == 0, err
     assert "restarting all workers" in err
@@ -91,9 +103,8 @@ def test_multi_worker_kill_and_restart_equals_uninterrupted(tmp_path):
     assert resumed[0]["params"] == resumed[1]["params"]
 
 
-def test_multi_worker_sigterm_all_workers_save_at_the_same_step(tmp_path):
-    code, out, err = _launch(tmp_path / "ref")
-    reference = _results(out)
+def test_multi_worker_sigterm_all_workers_save_at_the_same_step(tmp_path, multi_reference):
+    reference = multi_reference
     code, out, err = _launch(tmp_path / "b", "--term-at", "4", max_restarts=1)
     assert code == 0, err
     # Rank 1 was preempted after step 4 and published step 5: both saved at step 5, exited 143.
