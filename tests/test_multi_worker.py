@@ -24,6 +24,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -421,8 +422,12 @@ NAMES_WORKER_1 = re.compile(r"worker(\(s\))?\s+1\b")
 
 def _start_pair(processes, *extra: str, skip: tuple[int, ...] = (),
                 timeout: float = FAIL_TIMEOUT_S) -> list[subprocess.Popen | None]:
+    """Two workers of ``mw_fail.py`` (those in ``skip`` never start); a full pair first meets in a
+    directory, so that a late ``import torch`` on loaded cores does not count as a failure."""
     ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    if not skip:
+        extra = (*extra, "--ready-dir", tempfile.mkdtemp(prefix="mw_ready_", dir=processes.log_dir))
     procs: list[subprocess.Popen | None] = []
     for rank in range(2):
         if rank in skip:

@@ -1,12 +1,16 @@
 """One worker of a failure test; prints one ``MWRESULT {json}`` line, then exits at once.
 
-    python mw_fail.py --timeout S [--fail-rank R --mode exit|stop|kill --at K]
+    python mw_fail.py --timeout S [--fail-rank R --mode exit|stop|kill --at K] [--ready-dir D]
 
 Trains a tiny model step after step. At step ``K`` worker ``R`` either dies of an uncaught
 exception (``exit``: a crash, exit status 1), stops itself with SIGSTOP (``stop``: alive but
 silent) or kills itself with SIGKILL (``kill``: gone without a word). The
 others must raise ``WorkerUnavailableError``; they report its message and how long they were
 blocked. A worker alone (the others never started) reports the start-up error.
+
+With ``--ready-dir`` the workers first wait (up to 120 s) until both have imported torch: on
+two loaded cores one interpreter can start more than ``--timeout`` seconds after the other, and
+these jobs are about failures in training, not a late start.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ parser.add_argument("--fail-rank", type=int, default=None)
 parser.add_argument("--mode", choices=["exit", "stop", "kill"], default=None)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--ready-dir", default=None, help="meet the other worker here before starting")
 parser.add_argument("--natural-exit", action="store_true",
                     help="after reporting, leave through the interpreter's normal exit (atexit, teardown)")
 args = parser.parse_args()
@@ -38,7 +43,19 @@ args = parser.parse_args()
 class InjectedFailure(Exception):
     """The crash of the failing worker: left uncaught, so the process exits as a crash does."""
 
+
+
+def wait_for_both(ready_dir: str, rank: str) -> None:
+    with open(os.path.join(ready_dir, f"imported-{rank}"), "w"):
+        pass
+    deadline = time.monotonic() + 120
+    while len(os.listdir(ready_dir)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 torch.set_num_threads(1)
+if args.ready_dir:
+    wait_for_both(args.ready_dir, os.environ["MW_RANK"])
 result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "phase": "start-up", "step": None}
 started = time.monotonic()
 try:
