@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +82,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def meet(directory: str, name: str, count: int, limit: float = 120.0) -> None:
+    """Wait until ``count`` processes (``name`` differing) have called this with ``directory``,
+    or ``limit`` seconds. Workers of a job call it after ``import torch``, so that one started late
+    on loaded cores does not run into a short start-up timeout meant for something else."""
+    with open(os.path.join(directory, f"arrived-{name}"), "w"):
+        pass
+    deadline = time.monotonic() + limit
+    while len(os.listdir(directory)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Processes:
     """Python processes in their own sessions, output to files; all killed by ``kill_all``."""
 
@@ -100,6 +113,10 @@ class Processes:
         self.procs.append(proc)
         self.logs.append(log)
         return proc
+
+    def meeting_place(self) -> str:
+        """A fresh directory for the workers of one job to :func:`meet` in."""
+        return tempfile.mkdtemp(prefix="meet_", dir=self.log_dir)
 
     def output(self, proc: subprocess.Popen) -> str:
         return self.logs[self.procs.index(proc)].read_text(errors="replace")

@@ -40,8 +40,9 @@ def _run_modes(directory: Path, modes: list[str], *extra: str) -> dict[str, dict
         started: dict[str, list] = {}
         for mode in modes:
             cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
+            meeting = ("--ready-dir", procs.meeting_place())
             started[mode] = [
-                procs.spawn([JOB, "--mode", mode, "--timeout", str(TIMEOUT_S), *extra],
+                procs.spawn([JOB, "--mode", mode, "--timeout", str(TIMEOUT_S), *meeting, *extra],
                             P.clean_env(MW_RANK=str(rank), TF_CONFIG=json.dumps(
                                 {"cluster": cluster, "task": {"type": "worker", "index": rank}})),
                             f"{mode}{rank}")

@@ -24,7 +24,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -427,7 +426,7 @@ def _start_pair(processes, *extra: str, skip: tuple[int, ...] = (),
     ports = free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     if not skip:
-        extra = (*extra, "--ready-dir", tempfile.mkdtemp(prefix="mw_ready_", dir=processes.log_dir))
+        extra = (*extra, "--ready-dir", processes.meeting_place())
     procs: list[subprocess.Popen | None] = []
     for rank in range(2):
         if rank in skip:

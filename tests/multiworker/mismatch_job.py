@@ -1,6 +1,6 @@
 """One worker of a program whose workers call different collectives; prints one ``MWRESULT``.
 
-    python mismatch_job.py --mode MODE --timeout S [--off] [--sharded]
+    python mismatch_job.py --mode MODE --timeout S [--off] [--sharded] [--ready-dir D]
 
 Trains a tiny model under ``MultiWorkerMirroredStrategy`` (one CPU replica per worker), or
 ``FullyShardedStrategy`` with ``--sharded``. At step ``AT`` the workers part ways as ``MODE``
@@ -21,6 +21,8 @@ says:
 Each worker reports the error it got, its message and how long it was blocked, and its
 parameters (to check that nothing diverged before the error; under ``--sharded`` the whole
 parameters only after a normal end, since gathering them is a collective, else its shards).
+With ``--ready-dir`` the two workers meet there after ``import torch``: many jobs start at once
+on two cores, and a late start is not what these jobs test.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 import torch_distribute as td  # noqa: E402
 
@@ -45,9 +48,12 @@ parser.add_argument("--mode", required=True)
 parser.add_argument("--timeout", type=float, required=True)
 parser.add_argument("--off", action="store_true", help="CommunicationOptions(verify_collectives=False)")
 parser.add_argument("--sharded", action="store_true", help="FullyShardedStrategy")
+parser.add_argument("--ready-dir", default=None, help="meet the other worker here before starting")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
+if args.ready_dir:
+    P.meet(args.ready_dir, os.environ["MW_RANK"], 2)
 result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "mode": args.mode, "step": None}
 started = time.monotonic()
 try:

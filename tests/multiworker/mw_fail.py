@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mw_helpers as H  # noqa: E402
+import proc_helpers as P  # noqa: E402
 
 import torch_distribute as td  # noqa: E402
 
@@ -45,17 +46,9 @@ class InjectedFailure(Exception):
 
 
 
-def wait_for_both(ready_dir: str, rank: str) -> None:
-    with open(os.path.join(ready_dir, f"imported-{rank}"), "w"):
-        pass
-    deadline = time.monotonic() + 120
-    while len(os.listdir(ready_dir)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 torch.set_num_threads(1)
 if args.ready_dir:
-    wait_for_both(args.ready_dir, os.environ["MW_RANK"])
+    P.meet(args.ready_dir, os.environ["MW_RANK"], 2)
 result: dict = {"rank": int(os.environ.get("MW_RANK", "-1")), "phase": "start-up", "step": None}
 started = time.monotonic()
 try:
