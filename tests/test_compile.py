@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
 
 import torch_distribute as td
 
@@ -30,11 +31,12 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def make_data(epochs: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_data(epochs: int = 1, ragged: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     epoch = [(torch.randn(GLOBAL_BATCH, 8, generator=generator), torch.randn(GLOBAL_BATCH, 1, generator=generator))
              for _ in range(4)]
-    epoch.append((torch.randn(10, 8, generator=generator), torch.randn(10, 1, generator=generator)))  # ragged
+    if ragged:
+        epoch.append((torch.randn(10, 8, generator=generator), torch.randn(10, 1, generator=generator)))
     return epoch * epochs
 
 
@@ -48,7 +50,7 @@ def state(model: nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1) for t in [*model.parameters(), *model.buffers()]])
 
 
-def train(strategy, compile_where: str | None, epochs: int = 1):
+def train(strategy, compile_where: str | None, epochs: int = 1, ragged: bool = True):
     """Train on ``make_data``; ``compile_where``: None (eager), "module_in_scope",
     "module_outside", "step" (torch.compile on the replica step) or "function" (td.function
     on the distributed step). Returns the final state, the losses and the function."""
@@ -72,7 +74,7 @@ def train(strategy, compile_where: str | None, epochs: int = 1):
 
     if compile_where == "function":
         distributed_step = td.function(distributed_step)
-    losses = [float(distributed_step(x, y)) for x, y in strategy.experimental_distribute_dataset(make_data(epochs))]
+    losses = [float(distributed_step(x, y)) for x, y in strategy.experimental_distribute_dataset(make_data(epochs, ragged))]
     for replica_model in strategy.experimental_local_results(model):
         torch.testing.assert_close(state(replica_model), state(model), rtol=0, atol=0)
     return state(model), losses, distributed_step
@@ -106,6 +108,20 @@ def test_td_function_compiles_each_replica_once_and_not_again_in_the_next_epoch(
     strategy = STRATEGIES["mirrored2"]()
     _, _, function = train(strategy, "function", epochs=3)
     assert function.experimental_get_tracing_count() == after_one_epoch
+
+
+@pytest.mark.parametrize("name", ["mirrored2", "mwms1"])
+def test_replicas_on_one_device_share_what_inductor_compiled(name):
+    """Each CPU replica traces its graphs, and inductor compiles each graph once: the other
+    replica finds it in inductor's cache (replica 0 computes with a copy of the parameters, as
+    replica 1 does, so their graphs are the same). A cold start of N replicas costs one compile.
+
+    Without a ragged last batch: its graphs, recompiled with a dynamic batch size, take each
+    replica's slice of the batch at another storage offset, and differ in that."""
+    with fresh_cache():
+        train(STRATEGIES[name](), "function", ragged=False)
+    compiled, found = counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+    assert compiled >= 2 and found == compiled, counters["inductor"]
 
 
 def test_td_function_on_a_function_without_run_compiles_it_whole():

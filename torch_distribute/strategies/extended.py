@@ -151,6 +151,10 @@ class StrategyExtended:
         """Call ``fn`` once per local replica under its ``ReplicaContext``; regroup results."""
         raise NotImplementedError
 
+    def compiling_replica_steps(self) -> None:
+        """``run`` is about to call compiled replica steps (inside a ``td.function``): lay the
+        replicas' state out for compiled graphs. Nothing here."""
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], Any] | None
     ) -> Any:

@@ -182,8 +182,9 @@ class GradientSynchronizer:
                     primary = record.live_primary()
                     # The sum becomes the gradient in place: a view of the bucket, no copy.
                     primary.grad = bucket.views[slot].view_as(primary) if flags[slot] else None
-                    for replica_copy in record.current_copies()[1:]:
-                        replica_copy.grad = None
+                    for replica_copy in record.current_copies():
+                        if replica_copy is not primary:
+                            replica_copy.grad = None
         with self._lock:
             self._steps += 1
             self._reset_round()

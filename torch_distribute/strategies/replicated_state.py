@@ -1,7 +1,9 @@
 """Per-replica copies of the parameters and buffers created in a strategy's scope.
 
 Copy 0 of every tensor is the tensor the user holds (``model.weight``); copies 1..N-1 live
-on the other replicas' devices. Inside ``run``, ``ReplicaTensorMode`` swaps the user's tensor
+on the other replicas' devices. Once compiled steps run on replicas that share a device,
+replica 0 computes with a copy too (``put_every_replica_on_copies``), so that every replica
+traces the same graph and inductor compiles it once. Inside ``run``, ``ReplicaTensorMode`` swaps the user's tensor
 for the current replica's copy in every torch call, so ``model(x)`` computes with that
 replica's weights while the Python objects stay the same.
 
@@ -83,9 +85,10 @@ class ReplicatedState:
     """All mirrored tensors of one strategy, keyed by the identity of the user's tensor.
 
     Replica 0 computes with the user's tensor itself (``copies[0]`` is it), on
-    ``primary_device``, the first replica device; the other replicas compute with copies. A
-    layout where every replica computes with a copy (central storage) overrides
-    ``replicas_on_copies`` and ``primary_device``.
+    ``primary_device``, the first replica device; the other replicas compute with copies,
+    and after ``put_every_replica_on_copies()`` replica 0 as well. A layout where every
+    replica always computes with a copy (central storage) overrides ``replicas_on_copies``
+    and ``primary_device``.
 
     >>> import torch
     >>> from torch_distribute.collectives import ReductionToOneDevice
@@ -106,6 +109,8 @@ class ReplicatedState:
         # Set by multi-worker strategies: make tensors equal across worker processes.
         self.worker_broadcast: Callable[[list[torch.Tensor]], None] | None = None
         self.worker_mean: Callable[[list[torch.Tensor]], None] | None = None
+        self._replica_zero_on_copy = False
+        self._relayout = False  # replica 0's copies are still to be made
 
     @property
     def num_replicas(self) -> int:
@@ -119,8 +124,24 @@ class ReplicatedState:
     @property
     def replicas_on_copies(self) -> range:
         """The local replicas that compute with a copy of the user's tensors, not the tensors
-        themselves: every replica but replica 0."""
-        return range(1, self.num_replicas)
+        themselves: every replica but replica 0 (every one, after ``put_every_replica_on_copies``)."""
+        return range(0 if self._replica_zero_on_copy else 1, self.num_replicas)
+
+    def put_every_replica_on_copies(self) -> None:
+        """From the next ``sync_stale`` on, replica 0 computes with copies too (one more
+        copy of every tensor on replica 0's device), as the other replicas do.
+
+        >>> import torch
+        >>> from torch_distribute.collectives import ReductionToOneDevice
+        >>> state = ReplicatedState([torch.device("cpu")] * 2, ReductionToOneDevice())
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> state.register(weight, is_buffer=False); state.sync_stale()
+        >>> state.put_every_replica_on_copies(); state.sync_stale()
+        >>> state.local_copies(weight)[0] is weight, list(state.replicas_on_copies)
+        (False, [0, 1])
+        """
+        if not self._replica_zero_on_copy:
+            self._replica_zero_on_copy = self._relayout = True
 
     def register(self, tensor: torch.Tensor, is_buffer: bool, norm_layer: nn.Module | None = None) -> None:
         key = id(tensor)
@@ -163,6 +184,10 @@ class ReplicatedState:
             self.broadcast(fresh)
         if not self.replicas_on_copies:  # the only replica computes with the user's tensors
             return
+        if self._relayout:
+            self._relayout = False
+            self.broadcast(self.records())
+            return
         stale = [r for r in self.records() if r.is_stale()]
         if stale:
             self.broadcast(stale)
@@ -175,7 +200,8 @@ class ReplicatedState:
                 primary = record.live_primary()
                 copies = record.copies
                 if copies is None or any(
-                    copies[k].shape != primary.shape or copies[k].dtype != primary.dtype for k in on_copies
+                    copies[k] is primary or copies[k].shape != primary.shape or copies[k].dtype != primary.dtype
+                    for k in on_copies
                 ):
                     record.copies = [
                         _detached_copy(primary, device) if k in on_copies else primary
