@@ -306,8 +306,9 @@ def failures(tmp_path_factory):
         started: dict[str, list[subprocess.Popen]] = {}
         for name, (n, kill) in scenarios.items():
             cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(n)]}
+            meeting = ("--ready-dir", procs.meeting_place(), "--workers", str(n))
             started[name] = [
-                procs.spawn([FAIL, "--timeout", str(FAIL_TIMEOUT_S), "--kill-rank", str(kill), "--at", "3"],
+                procs.spawn([FAIL, "--timeout", str(FAIL_TIMEOUT_S), "--kill-rank", str(kill), "--at", "3", *meeting],
                             _clean_env(TF_CONFIG=_tf_config(cluster, r), FS_RANK=str(r)), f"{name}-w{r}")
                 for r in range(n)]
         # Survivors linger after reporting (the chief keeps the store up): poll their output.

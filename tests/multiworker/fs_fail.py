@@ -1,13 +1,15 @@
 """One worker of a ``FullyShardedStrategy`` failure test; prints one ``FSRESULT {json}`` line.
 
-    python fs_fail.py --timeout S --kill-rank R --at K [--linger S]
+    python fs_fail.py --timeout S --kill-rank R --at K [--linger S] [--ready-dir D --workers N]
 
 Trains the tiny transformer step after step. At step ``K`` worker ``R`` kills itself with
 SIGKILL (no exit handler runs, no "left" mark in the store: it just vanishes). The others
 must raise ``WorkerUnavailableError`` naming it; they report the message, the step and how
 long that step was blocked, then stay alive for ``--linger`` seconds (so that a survivor
 that is also the chief keeps the rendezvous store up while the others describe the failure;
-the test kills them once it has read their results).
+the test kills them once it has read their results). With ``--ready-dir`` the ``N`` workers
+first meet there after ``import torch`` (several jobs start at once on two cores; a late start
+is not what these jobs test).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fs_model as M  # noqa: E402
+import proc_helpers as P  # noqa: E402  (on the path fs_model puts tests/ on)
 
 import torch_distribute as td  # noqa: E402
 
@@ -31,9 +34,13 @@ parser.add_argument("--kill-rank", type=int, required=True)
 parser.add_argument("--at", type=int, default=3)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--linger", type=float, default=60)
+parser.add_argument("--ready-dir", default=None, help="meet the other workers here before starting")
+parser.add_argument("--workers", type=int, default=2, help="how many meet in --ready-dir")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
+if args.ready_dir:
+    P.meet(args.ready_dir, os.environ["FS_RANK"], args.workers)
 result: dict = {"rank": int(os.environ.get("FS_RANK", "-1")), "phase": "start-up", "step": None}
 started = time.monotonic()
 code = 0
