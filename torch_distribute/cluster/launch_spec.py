@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import secrets
 import socket
 import sys
@@ -100,22 +101,56 @@ def parse_master(master: str) -> tuple[str, int]:
         raise InvalidArgumentError(f"--master must be HOST:PORT (e.g. node0:29500): {error}") from None
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free on ``host`` a moment ago (bind to port 0).
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LOWEST_PICKED_PORT = 10000
 
-    All sockets are held open until every port is picked, so the ports are distinct. There
-    is an unavoidable window between closing them and a worker binding one (as in torchrun).
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that were free on ``host`` a moment ago.
+
+    Where the kernel says which ports it hands out for outgoing connections (Linux), they are
+    picked at random below that range: a port from that range (what binding port 0 gives)
+    can be taken, before the worker binds it, as the local port of any connection another
+    process opens, which happens on a busy machine. Elsewhere, or if no port below the range
+    is free, the kernel picks (port 0). All sockets are held open until every port is picked,
+    so the ports are distinct; another program may still bind one before the worker does (as
+    with torchrun's).
+
+    >>> a, b = free_ports(2)
+    >>> a != b
+    True
     """
     sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        candidates = _ports_below_ephemeral_range()
+        while len(sockets) < count:
+            port = candidates.pop() if candidates else 0
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                if port == 0:
+                    raise
+                continue
             sockets.append(sock)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _ports_below_ephemeral_range(tries: int = 64) -> list[int]:
+    """Up to ``tries`` random ports between 10000 and the ephemeral range ([] if unknown)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            lowest_ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    if lowest_ephemeral - _LOWEST_PICKED_PORT < 1000:
+        return []
+    rng = random.SystemRandom()  # not the random module's state, which forked workers share
+    return [rng.randrange(_LOWEST_PICKED_PORT, lowest_ephemeral) for _ in range(tries)]
 
 
 def validate_launch_args(
