@@ -124,6 +124,34 @@ def test_replicas_on_one_device_share_what_inductor_compiled(name):
     assert compiled >= 2 and found == compiled, counters["inductor"]
 
 
+def test_gradients_accumulated_eagerly_then_stepped_under_td_function_count_once():
+    """The first compiled run gives replica 0 copies of its own (see above): what every replica
+    accumulated before, in eager runs without a step, still enters that step, once."""
+
+    def train_two_runs(compile_second: bool) -> torch.Tensor:
+        strategy = STRATEGIES["mirrored2"]()
+        with strategy.scope():
+            model, optimizer = build()
+
+        def accumulate(x, y):
+            td.compute_average_loss(((model(x) - y) ** 2).squeeze(1), global_batch_size=GLOBAL_BATCH).backward()
+
+        def accumulate_and_step(x, y):
+            accumulate(x, y)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def second(x, y):
+            return strategy.run(accumulate_and_step, args=(x, y))
+
+        batches = list(strategy.experimental_distribute_dataset(make_data(ragged=False)))
+        strategy.run(accumulate, args=batches[0])
+        (td.function(second) if compile_second else second)(*batches[1])
+        return state(model)
+
+    torch.testing.assert_close(train_two_runs(True), train_two_runs(False), rtol=1e-5, atol=1e-6)
+
+
 def test_td_function_on_a_function_without_run_compiles_it_whole():
     model, _ = build()
     model.eval()

@@ -186,11 +186,24 @@ class ReplicatedState:
             return
         if self._relayout:
             self._relayout = False
-            self.broadcast(self.records())
-            return
+            self._give_replica_zero_copies()
         stale = [r for r in self.records() if r.is_stale()]
         if stale:
             self.broadcast(stale)
+
+    def _give_replica_zero_copies(self) -> None:
+        """Replica 0's copy of every tensor, where it still computes with the user's tensor.
+        Only copy 0 is new: the other replicas keep their copies and the gradients they hold
+        (a gradient accumulated over several runs before one step)."""
+        with torch.no_grad():
+            for record in self.records():
+                primary, copies = record.live_primary(), record.copies
+                if copies and copies[0] is primary:
+                    was_stale = record.is_stale()
+                    copies[0] = _detached_copy(primary, self.devices[0])
+                    if not was_stale:
+                        record.mark_synced()
+        self.copies_generation += 1
 
     def broadcast(self, records: Iterable[MirroredTensor]) -> None:
         """Give every replica the user's tensor's value: the tensor itself, or a copy of it."""
