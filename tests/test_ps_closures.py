@@ -126,7 +126,10 @@ def test_single_program_job_runs_closures_lambdas_and_main_functions(tmp_path):
         text = procs.output(proc)
     assert code == 0, text[-4000:]
     result = json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
-    assert result["workers"] == [0, 1]  # both workers ran the __main__ function
+    # train_step, a __main__ function, ran on the workers; which worker takes a function is the
+    # scheduler's choice (on loaded cores one took all 8). That both workers can run __main__
+    # functions shows below: each built its dataset from a __main__ closure.
+    assert result["workers"] and set(result["workers"]) <= {0, 1}
     assert result["weight_after_8"] == [-8.0, -8.0, -8.0]  # 8 SGD steps of exactly -1
     assert result["weight_after_closure"] == [-9.0, -8.0, -8.0]
     assert result["lambda"] == 11.0  # 5 * SCALE + 1: the chief global travelled
