@@ -119,7 +119,10 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._connection = connection
         self._received = b""
-        self.pid = int(self._line(None).split()[1])
+        reply = self._line(None)
+        if not reply:
+            raise RuntimeError(f"the test zygote ended before starting {args}")
+        self.pid = int(reply.split()[1])
 
     def poll(self) -> int | None:
         return self._exit_status(0.0)

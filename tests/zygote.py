@@ -68,7 +68,11 @@ def _serve_until_forked(address: str) -> dict:
         if listener not in readable:
             continue
         connection, _ = listener.accept()
-        request = json.loads(connection.makefile("r").readline())
+        try:
+            request = json.loads(connection.makefile("r").readline())
+        except ValueError:  # a client gone before asking: nothing to start
+            connection.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
