@@ -197,20 +197,21 @@ class _Zygote:
     def _start(self) -> None:
         directory = tempfile.mkdtemp(prefix="td_zygote_")
         self._address = os.path.join(directory, "socket")
-        log = open(os.path.join(directory, "zygote.log"), "w")  # noqa: SIM115 - the zygote's, for its life
+        log = Path(directory) / "zygote.log"
         # Loaded by its path: the workers' sys.path stays the one a fresh interpreter has.
         load = ("import importlib.util as u; "
                 f"s = u.spec_from_file_location('zygote', {str(Path(__file__).with_name('zygote.py'))!r}); "
                 f"m = u.module_from_spec(s); s.loader.exec_module(m); m.serve({self._address!r})")
-        self._proc = subprocess.Popen([sys.executable, "-u", "-c", load], env=self.env, cwd=REPO,
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        with open(log, "w") as out:
+            self._proc = subprocess.Popen([sys.executable, "-u", "-c", load], env=self.env, cwd=REPO,
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         # The zygote ends by itself (and kills its workers) once this process is gone.
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         deadline = time.monotonic() + 120
-        while not os.path.exists(self._address) or "ready" not in open(log.name).read():  # noqa: SIM115
+        while "ready" not in log.read_text(errors="replace"):  # printed once it listens
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the test zygote did not start: {open(log.name).read()[-2000:]}")  # noqa: SIM115
+                raise RuntimeError(f"the test zygote did not start: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.05)
 
 

@@ -1,10 +1,8 @@
 """An interpreter that has imported torch once and forks the tests' worker processes.
 
-Started by ``proc_helpers`` (one per pytest process, on first use) as
-
-    python -u -c "import zygote; zygote.serve(ADDRESS)"
-
-with the environment the tests give their workers. It imports what every worker imports
+Started by ``proc_helpers`` (one per pytest process, on first use) as ``python -u -c``, loading
+this file by its path (so that the workers' ``sys.path`` stays a fresh interpreter's) and
+calling ``serve(ADDRESS)``, with the environment the tests give their workers. It imports what every worker imports
 (``torch``, and ``torch._dynamo``, which torch loads when the first optimizer is made): about
 5 s of CPU that each of the suite's hundreds of worker processes would otherwise spend on its
 own, on a 2-core machine. Then, for each request on its UNIX socket, it forks a child that

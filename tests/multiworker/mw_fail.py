@@ -45,7 +45,6 @@ class InjectedFailure(Exception):
     """The crash of the failing worker: left uncaught, so the process exits as a crash does."""
 
 
-
 torch.set_num_threads(1)
 if args.ready_dir:
     P.meet(args.ready_dir, os.environ["MW_RANK"], 2)
