@@ -177,6 +177,15 @@ def test_td_function_options():
         td.function(3)
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_are_refused_for_replicas_in_threads(mode):
+    """Checked before compiling (no GPU needed): torch keeps CUDA graph trees per thread."""
+    two_replicas = (torch.device("cuda", 0), torch.device("cuda", 0))
+    with pytest.raises(td.InvalidArgumentError, match=f"mode={mode!r} captures CUDA graphs.*2 replicas in threads"):
+        td.function(lambda x: x, mode=mode).compiled(lambda x: x + 1, two_replicas)
+    assert callable(td.function(lambda x: x, mode=mode).compiled(lambda x: x + 1, two_replicas[:1]))
+
+
 def test_td_function_input_signature_marks_none_dimensions_dynamic():
     """TensorFlow's input_signature: every batch size runs the one graph; a tensor that does not
     match the signature is refused."""

@@ -11,7 +11,8 @@ exact, outside the graphs. A function that never calls ``run`` is compiled whole
 On CUDA, ``mode=None`` picks CUDA graphs (``"reduce-overhead"``) where each process drives
 one GPU replica (``OneDeviceStrategy``, one GPU per worker under torchrun), and plain
 compiled kernels with one warning saying why where replicas share the process (CUDA graphs
-capture per process, and replica threads would capture concurrently). When torch's inductor
+capture per process, and replica threads would capture concurrently); asking for them there
+(``mode="reduce-overhead"`` or ``"max-autotune"``) is an error. When torch's inductor
 cannot use CUDA graphs for a part of the step, one warning gives its reason.
 
 Several CPU replicas in one process (``MirroredStrategy(["cpu:0", "cpu:1"])``) run their
@@ -61,6 +62,7 @@ from torch_distribute.values import DistributedValues
 __all__ = ["Function", "function", "for_replicas"]
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class _Call:
@@ -260,7 +262,16 @@ class Function:
 
     def _mode_for(self, devices: tuple[torch.device, ...] | None) -> str | None:
         """The mode asked for, else CUDA graphs for one GPU replica per process (see above)."""
-        if self._mode is not None or not devices or not any(d.type == "cuda" for d in devices):
+        if not devices or not any(d.type == "cuda" for d in devices):
+            return self._mode
+        if self._mode in _CUDA_GRAPH_MODES and len(devices) > 1:
+            raise InvalidArgumentError(
+                f"td.function({self.__name__}): mode={self._mode!r} captures CUDA graphs, and torch keeps "
+                f"those per thread, while this strategy runs its {len(devices)} replicas in threads of "
+                "one process. Leave mode out (or use 'default' or 'max-autotune-no-cudagraphs') to run "
+                "the replicas as compiled kernels, or run one process per GPU "
+                "(MultiWorkerMirroredStrategy under torchrun) for CUDA graphs.")
+        if self._mode is not None:
             return self._mode
         if len(devices) == 1:
             return "reduce-overhead"
