@@ -28,6 +28,11 @@ from this checkout (``PYTHONPATH``), so nothing is built.
 Time: each step has a limit of at most 9 minutes and the whole at most 40; a step that would
 not fit in what is left is reported as skipped. ``--only`` picks steps (to spread them over
 several machine leases: each call writes its own report; ``--suffix`` keeps them apart).
+Measured on an H200 (2026-11-26, cold caches): gpu-tests 130 s, precision 299 s, logical-gpus
+59 s, fully-sharded 75 s; the CycleGAN steps have not run on it yet. Where a session has 15
+minutes of device time in calls of at most 10, split it, e.g. ``--only
+gpu-tests,precision,logical-gpus --budget 545`` then ``--only fully-sharded,cyclegan
+--suffix b --budget 300``.
 Without a GPU, or with ``--dry-run``, it prints the plan with each step's limit and exits 0.
 
     make gpu-report                                      # everything
