@@ -67,8 +67,8 @@ class Step:
 
 STEPS = (
     # no:logging: a failing compiled test's captured log is hundreds of torch.__trace DEBUG lines.
-    Step("gpu-tests", 360, ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging",
-                                  "tests/test_gpu.py"),
+    Step("gpu-tests", 360,
+         ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", "tests/test_gpu.py"),
          "tests/test_gpu.py"),
     Step("precision", 360, ("benchmarks/bench_gpu.py", "--precision", "all", "--rounds", "2", "--steps", "40"),
          "one GPU: every strategy vs hand-written and DDP, fp32 / bf16 / fp16"),

@@ -1,13 +1,14 @@
 """Where a compiled step of the seed CNN loses to eager on a CPU (a diagnostic, not part of ``make bench``).
 
-Trains the tutorial CNN of ``bench_compile.py`` with Adam in one process, eager and under
-``torch.compile(model)``, times both, then profiles ``--profile-steps`` steps of each with
-``torch.profiler`` and inductor's ``cpp.enable_kernel_profile`` (each generated C++ kernel shows
-up under its own name) and prints the ops that cost the most. On the 2-core test machine the
-convolutions are the same oneDNN calls in both; the difference is in the kernels inductor
-generates for max-pool and the ReLUs (see ``docs/compiled-steps.md``, "When it pays off").
+Runs ``bench_compile.py``'s ``hand-eager`` and ``hand-compiled`` steps (the tutorial CNN, Adam,
+the same global batches; ``torch.compile(model)`` in the second) in one process, times both,
+then profiles ``--profile-steps`` steps of each with ``torch.profiler`` and inductor's
+``cpp.enable_kernel_profile`` (each generated C++ kernel shows up under its own name) and
+prints the ops that cost the most. On the 2-core test machine the convolutions are the same
+oneDNN calls in both; the difference is in the kernels inductor generates for max-pool and
+the ReLUs (see ``docs/compiled-steps.md``, "When it pays off").
 
-Run: ``python benchmarks/profile_compile_cpu.py [--steps 40 --profile-steps 10 --rows 12]``.
+Run: ``python benchmarks/profile_compile_cpu.py [--batch 64 --steps 40 --profile-steps 10 --rows 12]``.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 import torch._inductor.config as inductor_config
-import torch.nn.functional as F
 from torch.profiler import profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import make_model  # noqa: E402
+from bench_compile import hand_compiled_trainer  # noqa: E402
+from common import handwritten_trainer  # noqa: E402
 
 
 def main() -> None:
@@ -36,31 +36,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=12)
     args = parser.parse_args()
     inductor_config.cpp.enable_kernel_profile = True
-    x, y = torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,))
-    for name in ("eager", "compiled"):
-        model = make_model()
-        forward = torch.compile(model) if name == "compiled" else model
-        step = _trainer(forward, torch.optim.Adam(model.parameters()), x, y)
-        for _ in range(5):  # compiles, and warms the allocator
-            step()
+    trainers = {"eager": lambda: handwritten_trainer(torch.float32, args.batch),
+                "compiled": lambda: hand_compiled_trainer(torch.float32, args.batch, whole_step=False)}
+    for name, make in trainers.items():
+        trainer = make()
+        trainer.run_steps(5)  # compiles, and warms the allocator
         started = time.perf_counter()
-        for _ in range(args.steps):
-            step()
+        trainer.run_steps(args.steps)
         print(f"{name}: {(time.perf_counter() - started) / args.steps * 1e3:.1f} ms/step")
         with profile() as prof:
-            for _ in range(args.profile_steps):
-                step()
+            trainer.run_steps(args.profile_steps)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
-
-def _trainer(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer,
-             x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        F.cross_entropy(forward(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return step
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,8 @@ def test_the_workers_run_every_train_step_and_the_coordinator_none(result):
     assert [sum(f) for f in per_epoch] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
     # Counts are cumulative. Which worker takes a function is the scheduler's choice: the first
     # free one, and on loaded cores the worker that was ready first took all 16 (the other was
-    # still starting). That both workers take functions is test_ps_closures' to show.
+    # still starting). That every worker runs what the coordinator sends is test_ps_closures'
+    # to show (each builds its dataset from a __main__ closure).
     assert all(later >= earlier for earlier, later in zip(per_epoch[0], per_epoch[1], strict=True))
     assert sum(per_epoch[1]) > sum(per_epoch[0])
     assert result["final_forwards"][2] == 0                  # no train-mode forward on the coordinator
