@@ -21,10 +21,14 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, from TORCH_INDEX (see above), so that the package's `torch>=` is already met.
+	$(PY) -m pip install -q --upgrade pip uv
+	# torch first, with pip, from TORCH_INDEX (see above) and what pip is configured with (a
+	# local wheel mirror), so that the package's `torch>=` is already met.
 	$(PY) -m pip install -q "$(TORCH_SPEC)" $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test,examples,docs]"
+	# The package and its ~100 dependencies with uv, which fetches them in parallel: about 17 s
+	# instead of pip's 38 on the 2-core CI machine. Byte-compiled, as pip would: the tests set
+	# PYTHONDONTWRITEBYTECODE, and their hundreds of processes would each compile them again.
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e ".[test,examples,docs]"
 	@$(PY) -c "import torch; print('installed torch', torch.__version__, '(' + ('CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only') + ' build)')"
 	touch $(STAMP)
 
