@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml
 	# The package and its ~100 dependencies with uv, which fetches them in parallel: about 17 s
 	# instead of pip's 38 on the 2-core CI machine. Byte-compiled, as pip would: the tests set
 	# PYTHONDONTWRITEBYTECODE, and their hundreds of processes would each compile them again.
+	# uv does not read pip's configuration: behind a private index, set UV_INDEX_URL too.
 	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e ".[test,examples,docs]"
 	@$(PY) -c "import torch; print('installed torch', torch.__version__, '(' + ('CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only') + ' build)')"
 	touch $(STAMP)
