@@ -116,6 +116,17 @@ def test_a_duplicate_index_or_other_versions_are_named():
     assert "strategy: MultiWorkerMirroredStrategy (worker 0), FullyShardedStrategy (worker 1)" in str(info.value)
 
 
+def test_the_error_names_workers_in_index_order_whatever_order_they_arrived_in():
+    store = dist.HashStore()
+    late_first = exchange(store, 1, world=3)
+    exchange(store, 0, world=2)
+    with pytest.raises(ClusterConfigError) as info:
+        late_first.poll()
+    text = str(info.value)
+    assert "world size: 2 (worker 0), 3 (worker 1)" in text
+    assert text.index("worker 0 of 2 (pid") < text.index("worker 1 of 3 (pid")
+
+
 def test_waiting_for_workers_says_who_is_missing(monkeypatch, caplog):
     monkeypatch.setattr(rendezvous_views, "PROGRESS_INTERVAL_S", 0.2)
     store = dist.HashStore()

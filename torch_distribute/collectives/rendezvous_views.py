@@ -70,8 +70,16 @@ def describe(view: dict[str, Any]) -> str:
             f"{view.get('strategy') or 'no strategy named'})")
 
 
+def _by_worker(view: dict[str, Any]) -> tuple[bool, int]:
+    """Sort key: workers in index order, whatever order their views reached the store."""
+    rank = view.get("rank")
+    return (not isinstance(rank, int), rank if isinstance(rank, int) else 0)
+
+
 def conflicts(views: Sequence[dict[str, Any]]) -> list[str]:
-    """What the views disagree on, in words; empty when they agree."""
+    """What the views disagree on, in words, naming workers in index order; empty when they
+    agree."""
+    views = sorted(views, key=_by_worker)
     found = []
     for key, words in _COMPARED:
         values = {json.dumps(view.get(key)) for view in views}
@@ -150,7 +158,7 @@ class ViewExchange:
             until = time.monotonic() + 2.0
             while time.monotonic() < until and not self._store.check(keys):
                 time.sleep(_POLL_S)
-        listing = "; ".join(describe(view) for view in self._views)
+        listing = "; ".join(describe(view) for view in sorted(self._views, key=_by_worker))
         raise ClusterConfigError(
             f"The workers were started with different views of the job ({'; '.join(found)}). "
             f"Each worker's view: {listing}. Start every worker with the same cluster "
