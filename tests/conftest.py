@@ -15,11 +15,17 @@ Tests marked ``slow`` (minutes of inductor compilation on a cold cache) are move
 the longest declared timeout first: ``make test`` hands the in-process tests to the xdist
 workers a few at a time in this order (``--dist loadgroup``), so the slow ones run side by side
 at the start instead of ending the pass alone on one worker.
+
+``torch-distribute launch`` and the parameter-server local cluster fork their workers from an
+interpreter that imported torch once (``TD_START_METHOD=preloaded``, set here for every
+process the tests start) unless ``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start
+methods themselves name theirs.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import types
 from collections.abc import Iterator
@@ -27,6 +33,9 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1":
+    os.environ.setdefault("TD_START_METHOD", "preloaded")
 
 STARTS_PROCESSES = re.compile(
     r"\b(subprocess|Popen|proc_helpers|mw_helpers|multiprocessing|run_local_cluster"

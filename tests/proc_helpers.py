@@ -5,30 +5,32 @@ the test kills it, its process group and every descendant (found through /proc, 
 launcher's children cannot escape). No pytest and no torch at import: worker scripts import
 this module too (through ``mw_helpers`` and ``multiworker/fs_model``).
 
-A Python worker the tests start themselves is forked from a zygote that imported torch once
-(``tests/zygote.py``), unless its environment differs in what torch reads at import: ``import
-torch`` and ``torch._dynamo`` cost about 5 s of CPU per process, most of what the suite's
-hundreds of short worker processes spent on a 2-core machine. Every process a launcher
-starts (torchrun, mpirun, srun, ``torch-distribute launch``, a parameter-server cluster) is a
-fresh interpreter, and ``TD_TEST_FRESH_INTERPRETERS=1`` makes every worker one.
+A Python worker the tests start themselves is forked from an interpreter that imported torch
+once (the library's ``PreloadedInterpreter``), unless its environment differs in what torch
+reads at import: ``import torch`` and ``torch._dynamo`` cost about 4 s of CPU per process,
+most of what the suite's hundreds of short worker processes spent on a 2-core machine. The
+tests run ``torch-distribute launch`` and the parameter-server cluster with their
+``start_method="preloaded"`` too (``TD_START_METHOD``, set in ``conftest.py``); torchrun,
+mpirun and srun start fresh interpreters, and ``TD_TEST_FRESH_INTERPRETERS=1`` makes every
+worker one.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import select
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch_distribute.cluster.preloaded_interpreter import ForkedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,126 +106,33 @@ def meet(directory: str, name: str, count: int, limit: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-# The environment variables read while torch is imported: a worker whose environment differs
-# from the zygote's in one of them starts a fresh interpreter.
-_READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LD_", "PYTHON")
-
-
-class ForkedProcess:
-    """A worker forked by the zygote (``tests/zygote.py``), with the part of
-    ``subprocess.Popen`` the tests use: ``pid``, ``returncode``, ``poll``, ``wait``,
-    ``send_signal``. The zygote is its parent and tells its exit status on ``connection``."""
-
-    def __init__(self, connection: socket.socket, args: list[str]):
-        self.args = args
-        self.returncode: int | None = None
-        self._connection = connection
-        self._received = b""
-        reply = self._line(None)
-        if not reply:
-            raise RuntimeError(f"the test zygote ended before starting {args}")
-        self.pid = int(reply.split()[1])
-
-    def poll(self) -> int | None:
-        return self._exit_status(0.0)
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = self._exit_status(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def _exit_status(self, timeout: float | None) -> int | None:
-        if self.returncode is None:
-            line = self._line(timeout)
-            if line is not None:
-                # Nothing more to read: the zygote itself is gone, and killed its workers.
-                self.returncode = int(line.split()[1]) if line else -signal.SIGKILL
-                self._connection.close()
-        return self.returncode
-
-    def _line(self, timeout: float | None) -> str | None:
-        """The zygote's next line ("" at the end of the connection), None after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._received:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._connection], [], [], left)[0]:
-                return None
-            chunk = self._connection.recv(4096)
-            if not chunk:
-                return ""
-            self._received += chunk
-        line, self._received = self._received.split(b"\n", 1)
-        return line.decode()
-
-
-class _Zygote:
-    """This process's zygote (started on first use; gone with this process)."""
+class _Preloaded:
+    """This process's preloaded interpreter (``torch_distribute/cluster/preloaded_interpreter.py``,
+    started on first use, gone with this process), for the workers the tests start themselves."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen | None = None
-        self._address = ""
-        self.env: dict[str, str] = {}
+        self._interpreter = None
 
-    def usable_for(self, argv: list[str], env: dict[str, str]) -> bool:
-        """Whether ``python -u *argv`` with ``env`` can be forked: a script, ``-c`` or ``-m``
-        (no other interpreter option), and the zygote's values of what torch reads at import."""
-        if os.environ.get("TD_TEST_FRESH_INTERPRETERS") == "1" or not argv:
-            return False
-        if argv[0] in ("-c", "-m"):
-            if len(argv) < 2:
-                return False
-        elif argv[0].startswith("-"):
-            return False
-        if not self.env:
-            self.env = clean_env()
-        names = {k for k in (*env, *self.env) if k.startswith(_READ_AT_IMPORT)}
-        return all(env.get(k) == self.env.get(k) for k in names)
+    def get(self):
+        if self._interpreter is None:
+            from torch_distribute.cluster.preloaded_interpreter import PreloadedInterpreter
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess:
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect(self._address)
-        request = {"argv": argv, "env": env, "cwd": str(REPO), "log": str(log)}
-        connection.sendall((json.dumps(request) + "\n").encode())
-        return ForkedProcess(connection, [sys.executable, "-u", *argv])
+            self._interpreter = PreloadedInterpreter()
+        return self._interpreter
 
-    def _start(self) -> None:
-        directory = tempfile.mkdtemp(prefix="td_zygote_")
-        self._address = os.path.join(directory, "socket")
-        log = Path(directory) / "zygote.log"
-        # Loaded by its path: the workers' sys.path stays the one a fresh interpreter has.
-        load = ("import importlib.util as u; "
-                f"s = u.spec_from_file_location('zygote', {str(Path(__file__).with_name('zygote.py'))!r}); "
-                f"m = u.module_from_spec(s); s.loader.exec_module(m); m.serve({self._address!r})")
-        with open(log, "w") as out:
-            self._proc = subprocess.Popen([sys.executable, "-u", "-c", load], env=self.env, cwd=REPO,
-                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-        # The zygote ends by itself (and kills its workers) once this process is gone.
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        deadline = time.monotonic() + 120
-        while "ready" not in log.read_text(errors="replace"):  # printed once it listens
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the test zygote did not start: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.05)
+    def usable_for(self, command: list[str], env: dict[str, str]) -> bool:
+        return os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1" and self.get().can_start(command, env)
 
 
-_zygote = _Zygote()
+_preloaded = _Preloaded()
 
 
 class Processes:
     """Python processes in their own sessions, output to files; all killed by ``kill_all``.
 
-    A Python worker is forked from the zygote (``tests/zygote.py``: torch imported once) where
-    its command line and environment allow, else started as a fresh interpreter, as launchers
-    and ``TD_TEST_FRESH_INTERPRETERS=1`` always are."""
+    A Python worker is forked from an interpreter that imported torch once (the library's
+    ``PreloadedInterpreter``) where its command line and environment allow, else started
+    fresh, as with ``TD_TEST_FRESH_INTERPRETERS=1``."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
@@ -237,8 +146,9 @@ class Processes:
         log = self.log_dir / f"{len(self.procs)}-{name}.log"
         command = [sys.executable, "-u", *argv] if python else list(argv)
         with open(log, "w") as out:
-            if python and _zygote.usable_for(argv, env):
-                proc = _zygote.fork(list(argv), dict(env), log)
+            if python and _preloaded.usable_for(command, env):
+                proc = _preloaded.get().start(command, env, stdout=out.fileno(), stderr=out.fileno(),
+                                              cwd=str(REPO))
             else:
                 proc = subprocess.Popen(command, env=env, cwd=REPO,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

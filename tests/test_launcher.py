@@ -2,7 +2,9 @@
 
 Workers are tiny Python scripts written to ``tmp_path`` (no torch.distributed): they print
 their environment, sleep, or exit with a code. Every test is bounded in time and checks
-that no worker process outlives the launcher.
+that no worker process outlives the launcher. The launcher's default start (fresh
+interpreters) runs them; the tests taking ``start_method`` run again with the workers forked
+from the preloaded interpreter, whose start (torch's import) their time limits allow for.
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ def _kill_quietly(*pids: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+#: How much longer a launch may take to start its workers (the preloaded interpreter's import
+#: of torch, on a loaded 2-core machine).
+STARTUP_S = {"fresh": 0.0, "preloaded": 20.0}
+BOTH_START_METHODS = pytest.mark.parametrize("start_method", ["fresh", "preloaded"])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_unless_named(monkeypatch):
+    """The default start method (the suite's conftest sets ``preloaded`` for other tests)."""
+    monkeypatch.delenv("TD_START_METHOD", raising=False)
 
 
 def _run(argv, nproc, **kwargs):
@@ -167,7 +181,8 @@ def test_multi_node_environment():
 
 
 @pytest.mark.timeout(60)
-def test_output_prefixed_per_rank(tmp_path):
+@BOTH_START_METHODS
+def test_output_prefixed_per_rank(tmp_path, start_method):
     script = _script(
         tmp_path,
         """
@@ -180,7 +195,7 @@ def test_output_prefixed_per_rank(tmp_path):
         sys.stdout.buffer.write(f"no newline {rank}".encode())
         """,
     )
-    code, out, err, _ = _run([script], 2)
+    code, out, err, _ = _run([script], 2, start_method=start_method)
     assert code == 0, err
     out_lines = out.splitlines()
     for rank in (0, 1):
@@ -214,7 +229,8 @@ def test_large_output_does_not_deadlock(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_failure_stops_other_workers_and_grandchildren(tmp_path):
+@BOTH_START_METHODS
+def test_failure_stops_other_workers_and_grandchildren(tmp_path, start_method):
     script = _script(
         tmp_path,
         """
@@ -236,12 +252,12 @@ def test_failure_stops_other_workers_and_grandchildren(tmp_path):
         """,
     )
     try:
-        code, _, err, elapsed = _run([script, str(tmp_path)], 2)
+        code, _, err, elapsed = _run([script, str(tmp_path)], 2, start_method=start_method)
         sleeper = int((tmp_path / "pid_0").read_text())
         failed = int((tmp_path / "pid_1").read_text())
         grandchild = int((tmp_path / "grandchild").read_text())
         assert code == 3, err
-        assert elapsed < 15
+        assert elapsed < 15 + STARTUP_S[start_method]
         assert f"worker rank 1 (pid {failed}) failed with exit code 3" in err.splitlines()[-1]
         assert _gone(sleeper), "the sleeping worker outlived the launcher"
         assert _gone(grandchild), "a worker's child outlived the launcher"
@@ -280,7 +296,8 @@ def test_worker_ignoring_sigterm_is_killed_after_grace_period(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_worker_killed_by_signal_is_named(tmp_path):
+@BOTH_START_METHODS
+def test_worker_killed_by_signal_is_named(tmp_path, start_method):
     script = _script(
         tmp_path,
         """
@@ -292,15 +309,16 @@ def test_worker_killed_by_signal_is_named(tmp_path):
         time.sleep(60)
         """,
     )
-    code, _, err, elapsed = _run([script, str(tmp_path)], 2)
+    code, _, err, elapsed = _run([script, str(tmp_path)], 2, start_method=start_method)
     pid = int((tmp_path / "pid_1").read_text())
     assert code == 128 + signal.SIGKILL
     assert f"worker rank 1 (pid {pid}) was killed by signal SIGKILL" in err.splitlines()[-1]
-    assert elapsed < 15
+    assert elapsed < 15 + STARTUP_S[start_method]
 
 
 @pytest.mark.timeout(60)
-def test_restart_then_success(tmp_path):
+@BOTH_START_METHODS
+def test_restart_then_success(tmp_path, start_method):
     script = _script(
         tmp_path,
         """
@@ -314,7 +332,7 @@ def test_restart_then_success(tmp_path):
         print(f"done attempt {attempt}")
         """,
     )
-    code, out, err, _ = _run([script, str(tmp_path)], 2, max_restarts=1)
+    code, out, err, _ = _run([script, str(tmp_path)], 2, max_restarts=1, start_method=start_method)
     assert code == 0, err
     assert re.search(
         r"restarting all workers \(attempt 1/1\) after worker rank 1 \(pid \d+\) "
@@ -447,7 +465,8 @@ def test_console_script(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_module_mode(tmp_path):
+@BOTH_START_METHODS
+def test_module_mode(tmp_path, start_method):
     package = tmp_path / "mypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -455,7 +474,7 @@ def test_module_mode(tmp_path):
         "import os, sys\nprint('module', __name__, os.environ['RANK'], sys.argv[1:])\n"
     )
     code, out, err, _ = _run(["-m", "mypkg.train", "--lr", "0.1"], 2,
-                             extra_env={"PYTHONPATH": str(tmp_path)})
+                             extra_env={"PYTHONPATH": str(tmp_path)}, start_method=start_method)
     assert code == 0, err
     for rank in (0, 1):
         assert f"[rank {rank}] module __main__ {rank} ['--lr', '0.1']" in out.splitlines()
@@ -464,7 +483,8 @@ def test_module_mode(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig, expected", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_launcher_signal_stops_workers(tmp_path, sig, expected):
+@BOTH_START_METHODS
+def test_launcher_signal_stops_workers(tmp_path, sig, expected, start_method):
     script = _script(
         tmp_path,
         """
@@ -481,13 +501,13 @@ def test_launcher_signal_stops_workers(tmp_path, sig, expected):
     )
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch_distribute.launch", "--nproc", "2", "--grace-period", "3",
-         script, str(tmp_path)],
+         "--start-method", start_method, script, str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         start_new_session=True,
     )
     pids: list[int] = []
     try:
-        end = time.monotonic() + 30
+        end = time.monotonic() + 30 + STARTUP_S[start_method]
         while not all((tmp_path / f"pid_{r}").exists() for r in (0, 1)):
             assert time.monotonic() < end and launcher.poll() is None, launcher.stderr.read()
             time.sleep(0.05)
@@ -505,3 +525,98 @@ def test_launcher_signal_stops_workers(tmp_path, sig, expected):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
         _kill_quietly(*pids)
+
+
+# ----------------------------------------------------------------------------- start methods
+
+PROCESS_VIEW = """
+    import atexit, json
+    out = sys.argv[1]
+
+    def at_exit():  # what an atexit handler sees of the way the program ended
+        with open(os.path.join(out, f"ended_{os.environ['RANK']}"), "w") as f:
+            f.write(type(getattr(sys, "last_value", None)).__name__)
+
+    atexit.register(at_exit)
+    main = sys.modules["__main__"]
+    view = {
+        "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+        "cwd": os.getcwd(), "stdout_buffer": type(sys.stdout.buffer).__name__, "flags": repr(sys.flags), "spec": repr(__spec__),
+        "stdin": os.readlink("/proc/self/fd/0"), "own_session": os.getsid(0) == os.getpid(),
+        "env": sorted(os.environ), "globals": sorted(k for k in vars(main) if k not in ("wait_for", "at_exit")),
+        "torch_imported": "torch" in sys.modules,
+    }
+    with open(os.path.join(out, f"view_{os.environ['RANK']}.json"), "w") as f:
+        json.dump(view, f)
+    if os.environ["RANK"] == "1":
+        wait_for(os.path.join(out, "view_0.json"))
+        raise ValueError("raised by the script")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_sees_what_a_fresh_interpreter_shows(tmp_path):
+    """The same script under both start methods: the same argv, __main__, sys.path[0], working
+    directory, environment, stdin, session and exit status, a traceback without the
+    preloaded interpreter's frames and the exception left for atexit handlers
+    (``sys.last_value``); only whether torch is already imported differs."""
+    views, errors = {}, {}
+    for start_method in ("fresh", "preloaded"):
+        out = tmp_path / start_method
+        out.mkdir()
+        script = _script(out, PROCESS_VIEW)
+        code, _, err, _ = _run([script, str(out)], 2, start_method=start_method)
+        assert code == 1, err
+        views[start_method] = [json.loads((out / f"view_{rank}.json").read_text()) for rank in (0, 1)]
+        errors[start_method] = [line for line in err.splitlines() if line.startswith("[rank 1]")]
+        assert (out / "ended_1").read_text() == "ValueError"
+    for fresh, forked in zip(views["fresh"], views["preloaded"], strict=True):
+        assert (fresh.pop("torch_imported"), forked.pop("torch_imported")) == (False, True)
+        assert json.dumps(forked).replace("preloaded", "fresh") == json.dumps(fresh)
+    assert [line.replace("preloaded", "fresh") for line in errors["preloaded"]] == errors["fresh"]
+    assert errors["fresh"][0] == "[rank 1] Traceback (most recent call last):"
+    assert errors["fresh"][-1] == "[rank 1] ValueError: raised by the script"
+
+
+@pytest.mark.timeout(90)
+def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
+    """A launcher killed outright (SIGKILL: no chance to stop its workers) takes the workers
+    it forked with it: their server sees its parent gone within a second."""
+    script = _script(
+        tmp_path,
+        """
+        out = sys.argv[1]
+        rank = os.environ["RANK"]
+        with open(os.path.join(out, f"pid_{rank}.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.path.join(out, f"pid_{rank}.tmp"), os.path.join(out, f"pid_{rank}"))
+        time.sleep(60)
+        """,
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch_distribute.launch", "--nproc", "2", "--start-method",
+         "preloaded", script, str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        end = time.monotonic() + 60
+        while not all((tmp_path / f"pid_{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < end and launcher.poll() is None, launcher.stderr.read()
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"pid_{r}").read_text()) for r in (0, 1)]
+        launcher.kill()
+        launcher.wait(timeout=10)
+        for pid in pids:
+            assert _gone(pid, within=10), f"worker {pid} outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        _kill_quietly(*pids)
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(InvalidArgumentError, match="start_method must be one of preloaded, fresh, got 'forkserver'"):
+        L.launch(["x.py"], 1, start_method="forkserver")

@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--scenario", required=True, action="append")
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
+    _record_pid(args.dir)
     if td.distribute_server(rpc_timeout=20, chief_timeout=15):
         return
     partitioner = td.partitioners.FixedShardsPartitioner(5) if "checkpoint" in args.scenario else None
@@ -139,20 +140,20 @@ def scenario_worker_failure(strategy, coordinator, directory):
             "rejoined_as": coordinator._dispatchers[1].name}
 
 
-def _task_pid(task_type: str, index: int) -> int:
-    """The process of this job's task ``task_type:index`` (its TF_CONFIG says so): only the
-    library's entry points can be called remotely, so it is found locally."""
-    mine = json.loads(os.environ["TF_CONFIG"])["cluster"]
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-            config = json.loads(variables.get(b"TF_CONFIG", b"null"))
-        except (OSError, ValueError):
-            continue
-        if config and config.get("cluster") == mine and config.get("task") == {"type": task_type, "index": index}:
-            return int(entry)
-    raise LookupError(f"no process for {task_type}:{index}")
+def _record_pid(directory: str) -> None:
+    """Write this task's process id where ``_task_pid`` finds it (a restarted task's replaces it)."""
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    path = os.path.join(directory, f"pid-{task['type']}-{task['index']}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+
+
+def _task_pid(directory: str, task_type: str, index: int) -> int:
+    """The process of this job's task ``task_type:index``, as it recorded: only the library's
+    entry points can be called remotely, so it is found locally."""
+    with open(os.path.join(directory, f"pid-{task_type}-{index}")) as f:
+        return int(f.read())
 
 
 def scenario_ps_failure(strategy, coordinator, directory):
@@ -161,7 +162,7 @@ def scenario_ps_failure(strategy, coordinator, directory):
     for _ in range(4):
         coordinator.schedule(train_step, args=(model, optimizer, counter, iterator, ""))
     coordinator.join()
-    os.kill(_task_pid("ps", 1), signal.SIGKILL)
+    os.kill(_task_pid(directory, "ps", 1), signal.SIGKILL)
     start = time.monotonic()
     try:
         for _ in range(50):

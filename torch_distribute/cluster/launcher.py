@@ -65,6 +65,7 @@ def launch(
     timeout: float | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    start_method: str | None = None,
 ) -> int:
     """Run ``nproc`` local workers of a Python script and return the launcher's exit code.
 
@@ -73,7 +74,9 @@ def launch(
     current ``sys.stdout``/``sys.stderr``) receive the workers' lines prefixed with
     ``[rank R] ``; the launcher's own messages go to ``stderr``. ``extra_env`` is added to
     every worker's environment last. ``timeout`` (seconds, for tests) stops everything and
-    returns 124 when it passes.
+    returns 124 when it passes. ``start_method``: ``"preloaded"`` forks the workers from an
+    interpreter that imported torch once (starts and restarts skip torch's import),
+    ``"fresh"`` starts a new interpreter for each, as torchrun does.
 
     Raises ``InvalidArgumentError`` for bad arguments, before any process starts.
     """
@@ -90,13 +93,14 @@ def launch(
         grace_period=grace_period,
         timeout=timeout,
     )
-    spec.validate()
-    supervisor = ProcessSupervisor(
+    supervisor = ProcessSupervisor(  # checks start_method; starts nothing yet
         stdout=sys.stdout if stdout is None else stdout,
         stderr=sys.stderr if stderr is None else stderr,
         grace_period=float(grace_period),
         log_prefix=f"{PROG}: ",
+        start_method=start_method,
     )
+    spec.validate()
     with supervisor.handling_signals():
         try:
             return supervisor.run_gang(spec.tasks, max_restarts=max_restarts, timeout=timeout)
@@ -129,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env_mode=args.env_mode,
         grace_period=args.grace_period,
         timeout=args.timeout,
+        start_method=args.start_method,
     )
 
 

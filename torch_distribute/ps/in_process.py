@@ -142,8 +142,10 @@ def create_in_process_cluster(
                         env={**base, "TF_CONFIG": json.dumps(config)})
 
     stream = output if output is not None else sys.stderr
+    # Fresh processes: each task checks that its parent is this process (serve_task.py).
     supervisor = ProcessSupervisor(stdout=stream, stderr=stream, grace_period=GRACE_PERIOD_S,
-                                   log_prefix="[in_process_cluster] ", log_stream=stream)
+                                   log_prefix="[in_process_cluster] ", log_stream=stream,
+                                   start_method="fresh")
     in_process = InProcessCluster(cluster, supervisor)
     try:
         supervisor.start_all([task("worker", i) for i in range(num_workers)]

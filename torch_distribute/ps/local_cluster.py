@@ -7,7 +7,9 @@ Each task (``chief``, ``worker`` × N, ``ps`` × M) runs the same script with it
 chief exits: the other tasks are stopped (SIGTERM, then SIGKILL, to each process group) and
 the chief's exit code is returned. ``restart_workers=True`` (``--restart-workers``) starts a
 worker again when it dies, as a cluster manager would; it rejoins the running job. The
-processes are run by :mod:`torch_distribute.cluster.supervisor` (``run_until_exit``).
+processes are run by :mod:`torch_distribute.cluster.supervisor` (``run_until_exit``), forked
+from an interpreter that imported torch once unless ``start_method="fresh"``
+(``--start-method fresh``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from torch_distribute.cluster.launch_spec import free_ports
-from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
+from torch_distribute.cluster.supervisor import START_METHODS, ProcessSupervisor, TaskSpec
 from torch_distribute.collectives import job_secret
 from torch_distribute.errors import InvalidArgumentError
 
@@ -53,12 +55,15 @@ def run_local_cluster(
     timeout: float | None = None,
     extra_env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
+    start_method: str | None = None,
 ) -> int:
     """Start every task of ``argv`` (``["train.py", ...]``); return the chief's exit code.
 
     Both stdout and stderr of every task go to ``stdout`` (default ``sys.stdout``). The
     tasks share a fresh job secret (``TD_JOB_SECRET``) unless one is set already.
     ``timeout`` (seconds) stops everything and returns 124 when it passes.
+    ``start_method``: ``"preloaded"`` forks the tasks from an interpreter that imported
+    torch once (starts and restarts without torch's import), ``"fresh"`` starts each anew.
     """
     stream = stdout if stdout is not None else sys.stdout
     cluster = cluster_config(num_workers, num_ps)
@@ -78,7 +83,8 @@ def run_local_cluster(
     tasks += [task("ps", i) for i in range(num_ps)]
     tasks += [task("worker", i) for i in range(num_workers)]
     supervisor = ProcessSupervisor(stdout=stream, stderr=stream, grace_period=GRACE_PERIOD_S,
-                                   log_prefix="[local_cluster] ", log_stream=stream)
+                                   log_prefix="[local_cluster] ", log_stream=stream,
+                                   start_method=start_method)
     return supervisor.run_until_exit(tasks, leader=0, timeout=timeout)
 
 
@@ -91,11 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--restart-workers", action="store_true",
                         help="start a worker again when it dies (it rejoins the job)")
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--start-method", choices=START_METHODS, default=None,
+                        help="preloaded (default): fork the tasks from an interpreter that "
+                             "imported torch once; fresh: a new interpreter each")
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     return run_local_cluster([args.script, *args.script_args], args.workers, args.ps,
-                             restart_workers=args.restart_workers, timeout=args.timeout)
+                             restart_workers=args.restart_workers, timeout=args.timeout,
+                             start_method=args.start_method)
 
 
 if __name__ == "__main__":
