@@ -618,5 +618,5 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
 
 
 def test_an_unknown_start_method_is_refused():
-    with pytest.raises(InvalidArgumentError, match="start_method must be one of preloaded, fresh, got 'forkserver'"):
+    with pytest.raises(InvalidArgumentError, match="start_method must be one of fresh, preloaded, got 'forkserver'"):
         L.launch(["x.py"], 1, start_method="forkserver")

@@ -74,9 +74,10 @@ def launch(
     current ``sys.stdout``/``sys.stderr``) receive the workers' lines prefixed with
     ``[rank R] ``; the launcher's own messages go to ``stderr``. ``extra_env`` is added to
     every worker's environment last. ``timeout`` (seconds, for tests) stops everything and
-    returns 124 when it passes. ``start_method``: ``"preloaded"`` forks the workers from an
-    interpreter that imported torch once (starts and restarts skip torch's import),
-    ``"fresh"`` starts a new interpreter for each, as torchrun does.
+    returns 124 when it passes. ``start_method``: ``"fresh"`` starts a new interpreter for
+    each worker, as torchrun does; ``"preloaded"`` forks them from an interpreter that
+    imported torch once (starts and restarts skip torch's import); None reads
+    ``TD_START_METHOD`` (default fresh).
 
     Raises ``InvalidArgumentError`` for bad arguments, before any process starts.
     """

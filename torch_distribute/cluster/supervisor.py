@@ -13,10 +13,11 @@ runs one of two policies:
 - ``run_until_exit``: one task leads (the chief of a parameter-server job) and its exit
   code ends the job; tasks marked ``restartable`` are started again alone when they fail.
 
-With ``start_method="preloaded"`` (the default) a Python task (``sys.executable -u`` with a
+With ``start_method="preloaded"`` (or ``TD_START_METHOD=preloaded``) a Python task (``sys.executable -u`` with a
 script, ``-m`` or ``-c``) is forked from an interpreter that imported torch once
 (``preloaded_interpreter.py``): its start and every restart skip torch's import, about 4 s
-of CPU each. Any other command, and ``start_method="fresh"``, starts a fresh process.
+of CPU each. Any other command, and the default ``start_method="fresh"``, starts a new
+process.
 
 >>> import io, sys
 >>> out = io.StringIO()
@@ -71,8 +72,8 @@ _SignalHandler: TypeAlias = Callable[[int, FrameType | None], object] | int | si
 
 #: The exit code when the ``timeout`` passes (as ``timeout(1)`` uses).
 EXIT_TIMEOUT = 124
-#: How tasks start: forked from an interpreter that imported torch once, or fresh.
-START_METHODS = ("preloaded", "fresh")
+#: How tasks start: each a new process, or forked from an interpreter that imported torch once.
+START_METHODS = ("fresh", "preloaded")
 #: The environment variable that picks the start method when none is given.
 START_METHOD_ENV = "TD_START_METHOD"
 POLL_S = 0.05
@@ -197,8 +198,9 @@ class ProcessSupervisor:
         grace_period: seconds between SIGTERM and SIGKILL when stopping.
         log_prefix: put before the supervisor's own messages.
         log_stream: where those messages go (default ``stderr``).
-        start_method: ``"preloaded"`` (Python tasks forked from an interpreter that
-            imported torch once) or ``"fresh"`` (every task a new process).
+        start_method: ``"fresh"`` (every task a new process) or ``"preloaded"`` (Python
+            tasks forked from an interpreter that imported torch once); None reads
+            ``TD_START_METHOD`` (default fresh).
     """
 
     def __init__(
