@@ -2,7 +2,7 @@
 
 ``--end`` says how the coordinator ends after training: ``normal`` (exit 0), ``raise`` (an
 uncaught exception), ``hang`` (waits to be killed: SIGTERM, SIGKILL). It prints ``PIDS [...]`` (its worker
-and ps children) once they run, and ``RESULT {...}`` after training.
+and ps tasks, and the interpreter that forked them if any) once they run, and ``RESULT {...}`` after training.
 """
 
 from __future__ import annotations
@@ -20,15 +20,22 @@ import torch_distribute as td
 
 
 def children() -> list[int]:
-    found = []
+    """Every process below this one: the tasks, and the preloaded interpreter that forked them
+    (``TD_START_METHOD=preloaded``)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                        found.append(int(entry))
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+    found, todo = [], [os.getpid()]
+    while todo:
+        above = todo.pop()
+        below = [pid for pid, parent in parents.items() if parent == above]
+        found += below
+        todo += below
     return sorted(found)
 
 

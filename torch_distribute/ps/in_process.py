@@ -92,6 +92,7 @@ def create_in_process_cluster(
     *,
     extra_env: Mapping[str, str] | None = None,
     output: IO[str] | None = None,
+    start_method: str | None = None,
 ) -> SimpleClusterResolver:
     """Start ``num_workers`` workers and ``num_ps`` parameter servers as children of this
     process (the coordinator); return the resolver for ``td.ParameterServerStrategy``.
@@ -112,6 +113,9 @@ def create_in_process_cluster(
         num_workers, num_ps: how many of each (at least one).
         extra_env: environment variables for the children, over this process's own.
         output: where the children's stdout and stderr lines go.
+        start_method: ``"fresh"`` (each child a new interpreter) or ``"preloaded"``
+            (forked from one that imported torch once); None reads ``TD_START_METHOD``
+            (default fresh).
 
     Raises:
         InvalidArgumentError: ``num_workers`` or ``num_ps`` is not a positive integer.
@@ -142,10 +146,9 @@ def create_in_process_cluster(
                         env={**base, "TF_CONFIG": json.dumps(config)})
 
     stream = output if output is not None else sys.stderr
-    # Fresh processes: each task checks that its parent is this process (serve_task.py).
     supervisor = ProcessSupervisor(stdout=stream, stderr=stream, grace_period=GRACE_PERIOD_S,
                                    log_prefix="[in_process_cluster] ", log_stream=stream,
-                                   start_method="fresh")
+                                   start_method=start_method)
     in_process = InProcessCluster(cluster, supervisor)
     try:
         supervisor.start_all([task("worker", i) for i in range(num_workers)]

@@ -6,7 +6,9 @@ The task's place comes from ``TF_CONFIG``; it runs ``td.distribute_server()`` an
 the user's program. It ends when the coordinator shuts the cluster down (status 0), and at
 once when its parent process ``PID`` is gone, however it went: Linux's ``PR_SET_PDEATHSIG``
 (``--pdeathsig``; SIGKILL when the parent thread ends) and a thread that checks
-``os.getppid()`` twice a second (every system).
+``os.getppid()`` twice a second (every system). A task forked by the coordinator's preloaded
+interpreter (``cluster/preloaded_interpreter.py``, ``TD_START_METHOD=preloaded``) watches that
+interpreter instead, whose parent the coordinator is: it ends with the coordinator.
 """
 
 from __future__ import annotations
@@ -33,7 +35,18 @@ def _end_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _die_with(parent: int, pdeathsig: bool) -> None:
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _die_with(coordinator: int, pdeathsig: bool) -> None:
+    parent = os.getppid()
+    if parent != coordinator and _parent_of(parent) != coordinator:
+        _end_now()  # the coordinator is gone (or this is not its task): nothing to serve
     if pdeathsig and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -41,6 +54,8 @@ def _die_with(parent: int, pdeathsig: bool) -> None:
             pass  # the watching thread below still applies
     if os.getppid() != parent:  # it died before prctl: nothing would tell us
         _end_now()
+    # Forked by the preloaded interpreter: that interpreter ends (killing its children) within
+    # a second of the coordinator, so watching it is watching the coordinator.
 
     def watch() -> None:
         while True:
