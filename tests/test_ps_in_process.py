@@ -14,9 +14,12 @@ from proc_helpers import clean_env, processes
 import torch_distribute as td
 
 JOB = os.path.join(os.path.dirname(__file__), "workers", "ps_in_process_job.py")
-#: The processes below the coordinator: two workers, a parameter server, and the interpreter
-#: that forked them under the suite's ``TD_START_METHOD=preloaded``.
-TASKS = 3 + (os.environ.get("TD_START_METHOD") == "preloaded")
+
+
+def below_coordinator(start_method: str | None) -> int:
+    """The processes below the coordinator: two workers, a parameter server, and the
+    interpreter that forked them with ``TD_START_METHOD=preloaded`` (the suite's default)."""
+    return 3 + ((start_method or "fresh") == "preloaded")
 
 
 def _alive(pid: int) -> bool:
@@ -69,19 +72,20 @@ def test_tutorial_single_program_trains_and_leaves_no_child(tmp_path):
         text = procs.output(proc)
         assert code == 0, text[-4000:]
         pids = _line(text, "PIDS ")
-        assert len(pids) == TASKS  # two workers and a parameter server
+        assert len(pids) == below_coordinator(os.environ.get("TD_START_METHOD"))
         _check_training(_line(text, "RESULT "))
         assert _wait_gone(pids, 5) == [], text[-4000:]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("end", ["sigkill"])  # also "raise", "sigterm": same paths as exit 0, SIGKILL
-def test_children_end_with_the_coordinator(tmp_path, end):
+@pytest.mark.parametrize("start_method", ["fresh", "preloaded"])
+def test_children_end_with_the_coordinator(tmp_path, end, start_method):
     with processes(tmp_path) as procs:
         mode = "raise" if end == "raise" else "hang"
-        proc = procs.spawn([JOB, "--end", mode], clean_env(), "coordinator")
+        proc = procs.spawn([JOB, "--end", mode], clean_env(TD_START_METHOD=start_method), "coordinator")
         pids = _wait_for(procs, proc, "PIDS ", 60)
-        assert len(pids) == TASKS
+        assert len(pids) == below_coordinator(start_method)
         _check_training(_wait_for(procs, proc, "RESULT ", 90))
         if end == "raise":
             assert procs.wait(proc, 30) == 1
