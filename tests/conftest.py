@@ -16,8 +16,8 @@ the longest declared timeout first: ``make test`` hands the in-process tests to 
 workers a few at a time in this order (``--dist loadgroup``), so the slow ones run side by side
 at the start instead of ending the pass alone on one worker.
 
-``torch-distribute launch`` and the parameter-server local cluster fork their workers from an
-interpreter that imported torch once (``TD_START_METHOD=preloaded``, set here for every
+``torch-distribute launch`` and the parameter-server clusters (``local_cluster``,
+``create_in_process_cluster``) fork their workers from an interpreter that imported torch once (``TD_START_METHOD=preloaded``, set here for every
 process the tests start) unless ``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start
 methods themselves name theirs.
 """

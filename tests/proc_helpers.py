@@ -8,8 +8,8 @@ this module too (through ``mw_helpers`` and ``multiworker/fs_model``).
 A Python worker the tests start themselves is forked from an interpreter that imported torch
 once (the library's ``PreloadedInterpreter``), unless its environment differs in what torch
 reads at import: ``import torch`` and ``torch._dynamo`` cost about 4 s of CPU per process,
-most of what the suite's hundreds of short worker processes spent on a 2-core machine. The
-tests run ``torch-distribute launch`` and the parameter-server cluster with their
+most of what the suite's hundreds of short worker processes spent on a 2-core machine.
+``torch-distribute launch`` and the parameter-server clusters run with
 ``start_method="preloaded"`` too (``TD_START_METHOD``, set in ``conftest.py``); torchrun,
 mpirun and srun start fresh interpreters, and ``TD_TEST_FRESH_INTERPRETERS=1`` makes every
 worker one.
@@ -17,6 +17,7 @@ worker one.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -118,6 +119,7 @@ class _Preloaded:
             from torch_distribute.cluster.preloaded_interpreter import PreloadedInterpreter
 
             self._interpreter = PreloadedInterpreter()
+            atexit.register(self._interpreter.close)  # its socket's directory too
         return self._interpreter
 
     def usable_for(self, command: list[str], env: dict[str, str]) -> bool:

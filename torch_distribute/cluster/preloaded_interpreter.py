@@ -267,6 +267,7 @@ def _serve_until_forked(address: str) -> tuple[dict[str, Any], list[int]]:
             for pid in children:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
+            shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # nobody else will
             os._exit(0)
         if wake_read in readable:
             with contextlib.suppress(BlockingIOError):
