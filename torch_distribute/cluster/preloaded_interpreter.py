@@ -74,6 +74,8 @@ _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH",
 #: Read by a worker as it runs, never at start-up (the launcher sets them per attempt).
 _READ_LATER = ("TORCHELASTIC_",)
 _SERVER_START_S = 120.0
+#: A UNIX socket's path has at most 107 bytes on Linux: its directory must leave room for "/socket".
+_SOCKET_DIRECTORY_MAX = 90
 _PR_SET_PDEATHSIG = 1
 
 
@@ -214,6 +216,9 @@ class PreloadedInterpreter:
 
     def _start_server(self, env: dict[str, str]) -> None:
         self._directory = tempfile.mkdtemp(prefix="td-preloaded-")
+        if len(self._directory) > _SOCKET_DIRECTORY_MAX:  # a long TMPDIR: a UNIX socket's path is short
+            os.rmdir(self._directory)
+            self._directory = tempfile.mkdtemp(prefix="td-preloaded-", dir="/tmp")
         address = os.path.join(self._directory, "socket")
         load = ("import importlib.util as u; "
                 f"s = u.spec_from_file_location('td_preloaded_interpreter', {__file__!r}); "
