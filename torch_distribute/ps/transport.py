@@ -213,9 +213,15 @@ def join(task_type: str, index: int, chief_address: tuple[str, int], *, rpc_time
     is_chief = task_type == "chief"
     node = _Node(CHIEF if is_chief else key, secret or _UNAUTHENTICATED_KEY,
                  {**addresses, "chief:0": chief_address}, num_threads)
-    node.serve(chief_address if is_chief else addresses[key])
+    # This task's node before its server accepts a call: a task that registers the moment the
+    # chief listens must find it (the entry points read ``_node``).
     with _lock:
         _node = node
+    try:
+        node.serve(chief_address if is_chief else addresses[key])
+    except BaseException:
+        leave()
+        raise
     if is_chief:
         node.members[key] = CHIEF
         return Membership(node)
