@@ -328,6 +328,7 @@ def test_restart_then_success(tmp_path, start_method):
         with open(os.path.join(out, f"port_{attempt}_{rank}"), "w") as f:
             f.write(os.environ["MASTER_PORT"])
         if attempt == "0" and rank == "1":
+            wait_for(os.path.join(out, "port_0_0"))  # else rank 0 may be stopped before it writes
             sys.exit(5)
         print(f"done attempt {attempt}")
         """,

@@ -188,6 +188,8 @@ class PreloadedInterpreter:
         cannot start or is gone."""
         with self._lock:
             if self._server is None or self._server.poll() is not None:
+                if self._directory:  # a server that died: its socket's directory too
+                    shutil.rmtree(self._directory, ignore_errors=True)
                 self._start_server(dict(env))
             address = os.path.join(self._directory, "socket")
         request = json.dumps({"argv": list(command[2:]), "env": dict(env),
@@ -220,7 +222,9 @@ class PreloadedInterpreter:
             os.rmdir(self._directory)
             self._directory = tempfile.mkdtemp(prefix="td-preloaded-", dir="/tmp")
         address = os.path.join(self._directory, "socket")
-        load = ("import importlib.util as u; "
+        # Without "-c"'s "" (the working directory) on sys.path: what the server imports comes
+        # from where a worker's own interpreter would import it.
+        load = ("import sys; del sys.path[0]; import importlib.util as u; "
                 f"s = u.spec_from_file_location('td_preloaded_interpreter', {__file__!r}); "
                 f"m = u.module_from_spec(s); s.loader.exec_module(m); "
                 f"m.serve({address!r}, {list(self.preload)!r})")
@@ -373,16 +377,16 @@ def _run_as_main(argv: list[str], cwd: str) -> None:
             import runpy
 
             sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = cwd
+            sys.path.insert(0, cwd)
             runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]  # what ``python -m`` calls
             return
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
-            sys.path[0] = ""
+            sys.path.insert(0, "")
             code = compile(argv[1], "<string>", "exec")
         else:
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             main.__dict__.update(__loader__=importlib.machinery.SourceFileLoader("__main__", argv[0]),
                                  __file__=argv[0], __cached__=None)
             with open(argv[0], "rb") as source:
