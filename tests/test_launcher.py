@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Waits until a file exists (workers use it to wait for each other, bounded in time).
+# Waits until a file exists (workers use it to wait for each other, bounded in time), and
+# writes one whole (a reader never sees it half-written).
 WAIT_FOR = textwrap.dedent(
     """
     import os, sys, time
@@ -40,6 +41,10 @@ WAIT_FOR = textwrap.dedent(
             if time.monotonic() > end:
                 sys.exit(99)
             time.sleep(0.02)
+    def publish(path, text):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
     """
 )
 
@@ -237,14 +242,10 @@ def test_failure_stops_other_workers_and_grandchildren(tmp_path, start_method):
         import subprocess
         out = sys.argv[1]
         rank = os.environ["RANK"]
-        with open(os.path.join(out, f"pid_{rank}.tmp"), "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(os.path.join(out, f"pid_{rank}.tmp"), os.path.join(out, f"pid_{rank}"))
+        publish(os.path.join(out, f"pid_{rank}"), str(os.getpid()))
         if rank == "0":
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            with open(os.path.join(out, "grandchild.tmp"), "w") as f:
-                f.write(str(child.pid))
-            os.replace(os.path.join(out, "grandchild.tmp"), os.path.join(out, "grandchild"))
+            publish(os.path.join(out, "grandchild"), str(child.pid))
             time.sleep(60)
         else:
             wait_for(os.path.join(out, "grandchild"))
@@ -493,9 +494,7 @@ def test_launcher_signal_stops_workers(tmp_path, sig, expected, start_method):
         out = sys.argv[1]
         rank = os.environ["RANK"]
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        with open(os.path.join(out, f"pid_{rank}.tmp"), "w") as f:
-            f.write(f"{os.getpid()} {child.pid}")
-        os.replace(os.path.join(out, f"pid_{rank}.tmp"), os.path.join(out, f"pid_{rank}"))
+        publish(os.path.join(out, f"pid_{rank}"), f"{os.getpid()} {child.pid}")
         print("ready", flush=True)
         time.sleep(60)
         """,
@@ -544,7 +543,7 @@ PROCESS_VIEW = """
         "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
         "cwd": os.getcwd(), "stdout_buffer": type(sys.stdout.buffer).__name__, "flags": repr(sys.flags), "spec": repr(__spec__),
         "stdin": os.readlink("/proc/self/fd/0"), "own_session": os.getsid(0) == os.getpid(),
-        "env": sorted(os.environ), "globals": sorted(k for k in vars(main) if k not in ("wait_for", "at_exit")),
+        "env": sorted(os.environ), "globals": sorted(k for k in vars(main) if k not in ("wait_for", "publish", "at_exit")),
         "torch_imported": "torch" in sys.modules,
     }
     with open(os.path.join(out, f"view_{os.environ['RANK']}.json"), "w") as f:
@@ -588,9 +587,7 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
         """
         out = sys.argv[1]
         rank = os.environ["RANK"]
-        with open(os.path.join(out, f"pid_{rank}.tmp"), "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(os.path.join(out, f"pid_{rank}.tmp"), os.path.join(out, f"pid_{rank}"))
+        publish(os.path.join(out, f"pid_{rank}"), str(os.getpid()))
         time.sleep(60)
         """,
     )
