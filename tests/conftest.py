@@ -17,9 +17,12 @@ workers a few at a time in this order (``--dist loadgroup``), so the slow ones r
 at the start instead of ending the pass alone on one worker.
 
 ``torch-distribute launch`` and the parameter-server clusters (``local_cluster``,
-``create_in_process_cluster``) fork their workers from an interpreter that imported torch once (``TD_START_METHOD=preloaded``, set here for every
-process the tests start) unless ``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start
-methods themselves name theirs.
+``create_in_process_cluster``) fork their workers from an interpreter that imported torch once
+(``TD_START_METHOD=preloaded``, set here for every process the tests start) unless
+``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start methods themselves name theirs. Before
+the first serial test, this process starts one such interpreter (``proc_helpers``) and names it
+in ``TD_PRELOADED_SERVER``: every launch the tests make forks from it instead of importing torch
+in a server of its own.
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from proc_helpers import WORKER_START_ENV, share_preloaded_interpreter
 
-if os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1":
+from torch_distribute.cluster.preloaded_interpreter import SHARED_SERVER_ENV
+
+FRESH_INTERPRETERS = os.environ.get("TD_TEST_FRESH_INTERPRETERS") == "1"
+if not FRESH_INTERPRETERS:
     os.environ.setdefault("TD_START_METHOD", "preloaded")
 
 STARTS_PROCESSES = re.compile(
@@ -107,10 +114,12 @@ def _functions_in_tests(obj: object) -> list[types.FunctionType]:
 
 
 def _fixture_functions(item: pytest.Function) -> Iterator[types.FunctionType]:
+    """The fixtures of the tests that ``item`` uses, but this file's own (every test's)."""
     for name in item.fixturenames:
         for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):  # pytest has no public accessor
             function = _unwrap(definition.func)
-            if isinstance(function, types.FunctionType) and _defined_in_tests(function):
+            if (isinstance(function, types.FunctionType) and _defined_in_tests(function)
+                    and function.__module__ != __name__):
                 yield function
 
 
@@ -129,6 +138,17 @@ def _start_order(item: pytest.Item) -> tuple[bool, float]:
         return (True, 0.0)
     timeout = item.get_closest_marker("timeout")
     return (False, -float(timeout.args[0]) if timeout is not None and timeout.args else 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _shared_preloaded_interpreter(request: pytest.FixtureRequest) -> None:
+    if not FRESH_INTERPRETERS and request.node.get_closest_marker("serial") is not None:
+        # What the tests' workers get (clean_env): with it here, the launches the tests make
+        # with this process's environment agree with the shared interpreter too. Started
+        # again where an earlier test's import changed a variable it compares (scikit-learn
+        # sets KMP_*).
+        os.environ.update(WORKER_START_ENV)
+        os.environ[SHARED_SERVER_ENV] = share_preloaded_interpreter()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,7 +10,8 @@ once (the library's ``PreloadedInterpreter``), unless its environment differs in
 reads at import: ``import torch`` and ``torch._dynamo`` cost about 4 s of CPU per process,
 most of what the suite's hundreds of short worker processes spent on a 2-core machine.
 ``torch-distribute launch`` and the parameter-server clusters run with
-``start_method="preloaded"`` too (``TD_START_METHOD``, set in ``conftest.py``); torchrun,
+``start_method="preloaded"`` too (``TD_START_METHOD``, set in ``conftest.py``), and fork from
+the same interpreter (``TD_PRELOADED_SERVER``, also set there, before a serial test); torchrun,
 mpirun and srun start fresh interpreters, and ``TD_TEST_FRESH_INTERPRETERS=1`` makes every
 worker one.
 """
@@ -86,12 +87,18 @@ def kill_tree(proc: subprocess.Popen | ForkedProcess) -> None:
         proc.wait(timeout=10)
 
 
+#: What every worker the tests start gets: one thread each, for computing and for inductor's
+#: compilation (several workers share 2 cores), and unbuffered output.
+WORKER_START_ENV = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without torchrun's variables or TF_CONFIG, one thread each."""
+    """This process's environment without torchrun's variables or TF_CONFIG, with
+    ``WORKER_START_ENV``."""
     from torch_distribute.cluster.launcher import TORCHRUN_VARS  # only the tests call this
 
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and k != "TF_CONFIG"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(WORKER_START_ENV)
     env.update(extra)
     return env
 
@@ -122,11 +129,25 @@ class _Preloaded:
             atexit.register(self._interpreter.close)  # its socket's directory too
         return self._interpreter
 
+    def share(self) -> str:
+        """Start the server now, with the start-up environment of the tests' workers
+        (``clean_env``), and return its address: launchers the tests start fork their workers
+        from it too (``TD_PRELOADED_SERVER``) instead of importing torch in a server of their own."""
+        env, interpreter = clean_env(), self.get()
+        if not interpreter.can_start([sys.executable, "-u", "-c", "pass"], env):
+            interpreter.close()  # this process's environment changed since (an import set a variable)
+        return interpreter.start_server(env)
+
     def usable_for(self, command: list[str], env: dict[str, str]) -> bool:
         return os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1" and self.get().can_start(command, env)
 
 
 _preloaded = _Preloaded()
+
+
+def share_preloaded_interpreter() -> str:
+    """The address of this process's preloaded interpreter, started now if need be."""
+    return _preloaded.share()
 
 
 class Processes:

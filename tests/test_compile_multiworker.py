@@ -79,7 +79,7 @@ def _kill(identities: set[tuple[int, int]]) -> None:
 
 def _run_job(replicas: int, log: Path) -> tuple[int | None, str]:
     """Launch 2 workers; return the launcher's exit code (None if killed here) and the output."""
-    env = P.clean_env(TORCHINDUCTOR_COMPILE_THREADS="1")
+    env = P.clean_env()
     argv = [sys.executable, "-u", "-m", "torch_distribute.launch", "--nproc", "2",
             "--timeout", str(LAUNCHER_TIMEOUT_S), "--grace-period", "2",
             WORKER, "--replicas", str(replicas), "--timeout", str(COLLECTIVE_TIMEOUT_S),

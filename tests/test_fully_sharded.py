@@ -72,7 +72,7 @@ NAMES_WORKER = r"worker(\(s\))?\s+{}\b"
 
 # -- process handling: tests/proc_helpers.py -------------------------------------------------
 def _clean_env(**extra: str) -> dict[str, str]:
-    return P.clean_env(PYTHONWARNINGS="ignore", TORCHINDUCTOR_COMPILE_THREADS="1", **extra)
+    return P.clean_env(**extra)
 
 
 def _tf_config(cluster: dict[str, list[str]], index: int) -> str:
@@ -94,8 +94,7 @@ def _launch(argv: list[str], nproc: int, env_mode: str, timeout: float = LAUNCH_
     try:
         code = launch([JOB, "--timeout", str(JOB_TIMEOUT_S), *argv], nproc, env_mode=env_mode,
                       grace_period=2, timeout=timeout,
-                      extra_env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                                 "TORCHINDUCTOR_COMPILE_THREADS": "1"},
+                      extra_env=P.WORKER_START_ENV,
                       stdout=out, stderr=err)
     finally:
         # launch() kills its workers' groups itself; anything new still here is killed too.

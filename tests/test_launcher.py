@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from torch_distribute.cluster import launcher as L
+from torch_distribute.cluster.preloaded_interpreter import SHARED_SERVER_ENV, PreloadedInterpreter
 from torch_distribute.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
@@ -540,7 +541,7 @@ PROCESS_VIEW = """
     atexit.register(at_exit)
     main = sys.modules["__main__"]
     view = {
-        "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+        "argv": sys.argv, "name": __name__, "file": __file__, "path": sys.path,
         "cwd": os.getcwd(), "stdout_buffer": type(sys.stdout.buffer).__name__, "flags": repr(sys.flags), "spec": repr(__spec__),
         "stdin": os.readlink("/proc/self/fd/0"), "own_session": os.getsid(0) == os.getpid(),
         "env": sorted(os.environ), "globals": sorted(k for k in vars(main) if k not in ("wait_for", "publish", "at_exit")),
@@ -559,14 +560,18 @@ def test_a_forked_worker_sees_what_a_fresh_interpreter_shows(tmp_path):
     """The same script under both start methods: the same argv, __main__, sys.path[0], working
     directory, environment, stdin, session and exit status, a traceback without the
     preloaded interpreter's frames and the exception left for atexit handlers
-    (``sys.last_value``); only whether torch is already imported differs."""
+    (``sys.last_value``); only whether torch is already imported differs. With a
+    ``PYTHONPATH`` the (shared) preloaded interpreter was started without: the same sys.path."""
     views, errors = {}, {}
+    (tmp_path / "on_the_path").mkdir()
+    python_path = os.pathsep.join(["relative/dir", str(tmp_path / "on_the_path"), "", "relative/dir"])
     for start_method in ("fresh", "preloaded"):
         out = tmp_path / start_method
         out.mkdir()
         script = _script(out, PROCESS_VIEW)
-        code, _, err, _ = _run([script, str(out)], 2, start_method=start_method)
-        assert code == 1, err
+        code, _, err, _ = _run([script, str(out)], 2, start_method=start_method,
+                               extra_env={"PYTHONPATH": python_path})
+        assert code == 1 and "not forking" not in err, err
         views[start_method] = [json.loads((out / f"view_{rank}.json").read_text()) for rank in (0, 1)]
         errors[start_method] = [line for line in err.splitlines() if line.startswith("[rank 1]")]
         assert (out / "ended_1").read_text() == "ValueError"
@@ -579,9 +584,16 @@ def test_a_forked_worker_sees_what_a_fresh_interpreter_shows(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
+@pytest.mark.parametrize("interpreter", ["own", "shared"])
+def test_preloaded_workers_end_with_a_killed_launcher(tmp_path, interpreter):
     """A launcher killed outright (SIGKILL: no chance to stop its workers) takes the workers
-    it forked with it: their server sees its parent gone within a second."""
+    it forked with it: its own server sees its parent gone, a shared one (the suite's,
+    ``TD_PRELOADED_SERVER``) the launcher's connections close, within a second."""
+    env = dict(os.environ)
+    if interpreter == "own":
+        env.pop(SHARED_SERVER_ENV, None)
+    elif SHARED_SERVER_ENV not in env:
+        pytest.skip("TD_TEST_FRESH_INTERPRETERS=1: no shared preloaded interpreter")
     script = _script(
         tmp_path,
         """
@@ -595,7 +607,7 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
         [sys.executable, "-m", "torch_distribute.launch", "--nproc", "2", "--start-method",
          "preloaded", script, str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        start_new_session=True,
+        start_new_session=True, env=env,
     )
     pids: list[int] = []
     try:
@@ -613,6 +625,144 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
         _kill_quietly(*pids)
+
+
+PARENT_COMMAND_LINE = """
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().decode(errors="replace")
+    publish(os.path.join(sys.argv[1], "parent_" + os.environ["RANK"]), parent)
+"""
+
+
+def _launcher_worker_env(**changes: str) -> dict[str, str]:
+    """The start-up environment ``launch`` gives two workers, with ``changes``."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            **changes}
+
+
+@pytest.mark.timeout(60)
+def test_launches_fork_their_workers_from_a_shared_preloaded_interpreter(tmp_path, monkeypatch):
+    shared = PreloadedInterpreter(preload=())
+    try:
+        address = shared.start_server(_launcher_worker_env())
+        monkeypatch.setenv(SHARED_SERVER_ENV, address)
+        script = _script(tmp_path, PARENT_COMMAND_LINE)
+        for launch in range(2):
+            code, _, err, _ = _run([script, str(tmp_path)], 2, start_method="preloaded")
+            assert code == 0 and "not forking" not in err, err
+            for rank in (0, 1):
+                assert address in (tmp_path / f"parent_{rank}").read_text(), launch
+    finally:
+        shared.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_launch_that_disagrees_with_the_shared_interpreter_forks_from_its_own(tmp_path, monkeypatch):
+    shared = PreloadedInterpreter(preload=())
+    try:
+        address = shared.start_server(_launcher_worker_env(OMP_NUM_THREADS="2"))
+        monkeypatch.setenv(SHARED_SERVER_ENV, address)
+        script = _script(tmp_path, PARENT_COMMAND_LINE)
+        code, _, err, _ = _run([script, str(tmp_path)], 2, start_method="preloaded",
+                               timeout=40 + STARTUP_S["preloaded"])
+        assert code == 0, err
+        assert err.count("not forking from $TD_PRELOADED_SERVER's interpreter (the workers' "
+                         "OMP_NUM_THREADS differs from its own): starting one of this launch's own") == 1, err
+        for rank in (0, 1):
+            parent = (tmp_path / f"parent_{rank}").read_text()
+            assert "td_preloaded_interpreter" in parent and address not in parent
+    finally:
+        shared.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_preload_command_serves_the_launches_of_a_shell_until_ctrl_c(tmp_path, monkeypatch):
+    env = {name: value for name, value in os.environ.items() if name != SHARED_SERVER_ENV}
+    preload = subprocess.Popen([sys.executable, "-m", "torch_distribute.cli", "preload"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        export = preload.stdout.readline().split()
+        assert export[0] == "export", preload.stderr.read()
+        variables = dict(assignment.split("=", 1) for assignment in export[1:])
+        assert variables.keys() == {"TD_START_METHOD", SHARED_SERVER_ENV}
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        script = _script(tmp_path, PARENT_COMMAND_LINE)
+        code, _, err, _ = _run([script, str(tmp_path)], 2)  # the start method from the environment
+        assert code == 0 and "not forking" not in err, err
+        for rank in (0, 1):
+            assert variables[SHARED_SERVER_ENV] in (tmp_path / f"parent_{rank}").read_text()
+        preload.send_signal(signal.SIGINT)
+        assert preload.wait(timeout=20) == 0
+        assert not os.path.exists(os.path.dirname(variables[SHARED_SERVER_ENV]))  # the server is gone
+    finally:
+        if preload.poll() is None:
+            os.killpg(preload.pid, signal.SIGKILL)
+            preload.wait()
+
+
+def _can_unshare_the_network() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--net", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_launch_in_another_network_namespace_does_not_fork_from_the_shared_interpreter(tmp_path):
+    """A worker forked by a shared interpreter would live in that interpreter's namespaces,
+    cgroup and limits, not its launcher's (two hosts simulated with network namespaces, a
+    SLURM step's cgroup): such a launch starts an interpreter of its own, saying why."""
+    if SHARED_SERVER_ENV not in os.environ:
+        pytest.skip("TD_TEST_FRESH_INTERPRETERS=1: no shared preloaded interpreter")
+    if not _can_unshare_the_network():
+        pytest.skip("`unshare --net` is refused here (it needs root)")
+    script = _script(tmp_path, """
+        publish(os.path.join(sys.argv[1], "net_" + os.environ["RANK"]), os.readlink("/proc/self/ns/net"))
+    """)
+    launch = subprocess.run(
+        ["unshare", "--net", sys.executable, "-m", "torch_distribute.launch", "--nproc", "2",
+         "--start-method", "preloaded", script, str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=80)
+    assert launch.returncode == 0, launch.stderr
+    assert "(its net namespace differs from this process's)" in launch.stderr, launch.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"net_{rank}").read_text() != os.readlink("/proc/self/ns/net")
+
+
+def test_what_keeps_a_shared_interpreter_from_forking_a_worker_is_named(tmp_path):
+    """Its description (``socket.json`` beside the socket), altered, against the worker's
+    start-up environment and this process: a variable read at start-up that differs, a
+    ``PYTHONPATH`` of the worker's own that holds a module the interpreter imported from
+    elsewhere, another interpreter, another network namespace."""
+    server = PreloadedInterpreter(preload=())
+    try:
+        with open(server.start_server({**os.environ, "OMP_NUM_THREADS": "1"}) + ".json") as written:
+            description = json.load(written)
+    finally:
+        server.close()
+    lib = tmp_path / "lib"
+    (lib / "site").mkdir(parents=True)  # a namespace portion: yields to the standard library's
+    (lib / "json.py").write_text("")
+    address = str(tmp_path / "socket")
+
+    def mismatch(env, python=sys.executable, **changes):
+        Path(address + ".json").write_text(json.dumps({**description, **changes}))
+        return PreloadedInterpreter(python=python, shared=address).shared_mismatch({**os.environ, **env})
+
+    assert mismatch({"OMP_NUM_THREADS": "1", "PATH": "/elsewhere"}) is None
+    assert mismatch({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}) is None
+    assert mismatch({"OMP_NUM_THREADS": "2"}) == "the workers' OMP_NUM_THREADS differs from its own"
+    assert mismatch({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(lib)}, modules=["json", "site", "torch"]) == (
+        f"the workers' PYTHONPATH holds json ({lib}), which it imported from elsewhere")
+    assert mismatch({}, python="/other/python") == f"it runs {sys.executable}, the workers /other/python"
+    elsewhere = {**description["context"], "net namespace": "net:[1]"}
+    assert mismatch({"OMP_NUM_THREADS": "1"}, context=elsewhere) == "its net namespace differs from this process's"
+
+
+def test_a_shared_interpreter_that_is_gone_is_named():
+    interpreter = PreloadedInterpreter(shared="/nonexistent/td-preloaded/socket")
+    assert interpreter.shared_mismatch(dict(os.environ)).startswith(
+        "no preloaded interpreter answers at /nonexistent/td-preloaded/socket")
 
 
 def test_an_unknown_start_method_is_refused():

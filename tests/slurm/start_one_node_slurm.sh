@@ -8,7 +8,7 @@
 set -euo pipefail
 STATE=${1:-/tmp/td-slurm}
 HOST=$(hostname -s)
-CPUS=$(nproc)
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc answers OMP_NUM_THREADS where set
 mkdir -p "$STATE"/{spool,state,log} /etc/slurm /run/munge /var/log/munge /var/lib/munge
 if [ ! -s /etc/munge/munge.key ]; then
     mkdir -p /etc/munge

@@ -2,7 +2,7 @@
 
 ``--end`` says how the coordinator ends after training: ``normal`` (exit 0), ``raise`` (an
 uncaught exception), ``hang`` (waits to be killed: SIGTERM, SIGKILL). It prints ``PIDS [...]`` (its worker
-and ps tasks, and the interpreter that forked them if any) once they run, and ``RESULT {...}`` after training.
+and ps tasks, and its own interpreter that forked them if any) once they run, and ``RESULT {...}`` after training.
 """
 
 from __future__ import annotations
@@ -19,24 +19,32 @@ from torch import nn
 import torch_distribute as td
 
 
-def children() -> list[int]:
-    """Every process below this one: the tasks, and the preloaded interpreter that forked them
-    (``TD_START_METHOD=preloaded``)."""
-    parents = {}
+def parents() -> dict[int, int]:
+    """Every process's parent."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    found[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
+    return found
+
+
+def started_by_the_cluster(siblings_before: set[int]) -> list[int]:
+    """Every process below this one (the tasks, and the preloaded interpreter that forked them
+    with ``TD_START_METHOD=preloaded``), and the new children of this one's parent: the tasks
+    when that parent is a preloaded interpreter this process shares (``TD_PRELOADED_SERVER``)."""
+    parent_of = parents()
     found, todo = [], [os.getpid()]
     while todo:
         above = todo.pop()
-        below = [pid for pid, parent in parents.items() if parent == above]
+        below = [pid for pid, parent in parent_of.items() if parent == above]
         found += below
         todo += below
-    return sorted(found)
+    siblings = {pid for pid, parent in parent_of.items() if parent == os.getppid()}
+    return sorted(found + list(siblings - siblings_before - {os.getpid()}))
 
 
 if __name__ == "__main__":
@@ -44,8 +52,9 @@ if __name__ == "__main__":
     parser.add_argument("--end", choices=["normal", "raise", "hang"], default="normal")
     args = parser.parse_args()
 
+    siblings = {pid for pid, parent in parents().items() if parent == os.getppid()}
     cluster_resolver = td.ps.create_in_process_cluster(num_workers=2, num_ps=1)
-    print("PIDS " + json.dumps(children()), flush=True)
+    print("PIDS " + json.dumps(started_by_the_cluster(siblings)), flush=True)
     strategy = td.ParameterServerStrategy(cluster_resolver, startup_timeout=60)
     coordinator = td.coordinator.ClusterCoordinator(strategy)
 

@@ -15,12 +15,19 @@ as usual. An uncaught exception prints its traceback (through ``sys.excepthook``
 Only Linux (a worker dies with its server: ``PR_SET_PDEATHSIG``), only the interpreter this
 process runs, only ``-u`` and no other interpreter option, and only an environment that
 agrees with the server's in what Python and torch read while they start (``PYTHON*``,
-``OMP_*``, ``MKL_*``, ``TORCH*`` but ``TORCHELASTIC_*``, ``CUDA*``, ...): ``can_start`` says
-no to anything else, and the caller starts a fresh interpreter. The server imports nothing
+``OMP_*``, ``MKL_*``, ``TORCH*`` but ``TORCHELASTIC_*`` and ``TORCHINDUCTOR_CACHE_DIR``,
+``CUDA*``, ...; a ``PYTHONPATH`` of the worker's own, where the server has none, goes onto
+its ``sys.path`` unless it holds a module the server has imported): ``can_start`` says no to
+anything else, and the caller starts a fresh interpreter. The server imports nothing
 that initializes CUDA, so a worker may still pick its GPU.
 
 The server ends, killing the workers it forked, when its client closes it or when the
-process that started it is gone.
+process that started it is gone. Other processes may use it too (``shared=``, which launchers
+read from ``TD_PRELOADED_SERVER``: one import of torch for many launches, as a test suite or
+an edit-and-relaunch loop makes): a worker is then killed, with its process group, as soon as
+the connection that asked for it closes, so a launcher that dies takes its workers along
+whoever started the server. A worker inherits its server's namespaces, cgroup, user, limits
+and CPU set: a process whose own differ from the shared server's is not served by it.
 
 >>> import os, sys
 >>> interpreter = PreloadedInterpreter(preload=())
@@ -38,8 +45,10 @@ The protocol, one UNIX-socket connection per worker: the client sends a header l
 the request's length and, with it, the two file descriptors (``SCM_RIGHTS``), then the
 request as JSON (``argv``, ``env``, ``cwd``); the server answers ``pid N`` once forked and
 ``exit CODE`` when it has reaped the child (CODE as ``subprocess.Popen.returncode``:
-negative for a signal). This file imports only the standard library: the server loads it
-by its path, so that its workers' ``sys.path`` is a fresh interpreter's.
+negative for a signal). Beside the socket, ``socket.json`` tells the processes that share
+the server its interpreter, process context, start-up environment and imported modules. This file imports only the
+standard library: the server loads it by its path, so that its workers' ``sys.path`` is a
+fresh interpreter's.
 """
 
 from __future__ import annotations
@@ -63,16 +72,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_PRELOAD", "ForkedProcess", "PreloadedInterpreter"]
+__all__ = ["DEFAULT_PRELOAD", "SHARED_SERVER_ENV", "ForkedProcess", "PreloadedInterpreter"]
 
+#: The variable that names a server for several launchers to share (its ``address``).
+SHARED_SERVER_ENV = "TD_PRELOADED_SERVER"
 #: What the server imports before it forks: what every worker would import first.
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 #: Environment variables read while Python and torch start (prefixes): a worker whose
 #: environment differs from the server's in one of them is not forked.
 _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LD_",
                   "NVIDIA_", "HIP_", "ROCM_", "XLA_")
-#: Read by a worker as it runs, never at start-up (the launcher sets them per attempt).
-_READ_LATER = ("TORCHELASTIC_",)
+#: Read by a worker as it runs, never at start-up: the launcher's per attempt, and inductor's
+#: cache directory (read when it compiles; torch sets it in its own process when unset).
+_READ_LATER = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
 _SERVER_START_S = 120.0
 #: A UNIX socket's path has at most 107 bytes on Linux: its directory must leave room for "/socket".
 _SOCKET_DIRECTORY_MAX = 90
@@ -82,6 +94,54 @@ _PR_SET_PDEATHSIG = 1
 def _start_time_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items()
             if name.startswith(_READ_AT_START) and not name.startswith(_READ_LATER)}
+
+
+#: What a process inherits from the one that starts it, besides its environment, as
+#: /proc/self/status shows it.
+_INHERITED_STATUS = ("Uid", "Gid", "Groups", "Umask", "Cpus_allowed_list", "Mems_allowed_list",
+                     "NoNewPrivs", "Seccomp", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+
+
+def _process_context() -> dict[str, str]:
+    """What a worker inherits from the process that starts it besides its environment: its
+    namespaces (network, mount, ...), cgroup, user and groups, umask, CPUs, capabilities,
+    resource limits and niceness. A worker forked by a shared server gets the server's."""
+    import resource
+
+    context = {}
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir("/proc/self/ns")):
+            context[f"{name} namespace"] = os.readlink(f"/proc/self/ns/{name}")
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as cgroup:
+        context["cgroup"] = cgroup.read()
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in _INHERITED_STATUS:
+                context[key] = value.strip()
+    for name in sorted(vars(resource)):
+        if name.startswith("RLIMIT_"):
+            context[name] = repr(resource.getrlimit(getattr(resource, name)))
+    context["niceness"] = str(os.getpriority(os.PRIO_PROCESS, 0))
+    return context
+
+
+def _differ(names: Sequence[str]) -> str:
+    return f"{names[0]} differs" if len(names) == 1 else f"{', '.join(names)} differ"
+
+
+def _python_path(env: Mapping[str, str]) -> list[str]:
+    """``PYTHONPATH``'s entries as a fresh interpreter puts them on ``sys.path`` (absolute)."""
+    value = env.get("PYTHONPATH", "")
+    return list(dict.fromkeys(os.path.abspath(entry) for entry in value.split(os.pathsep))) if value else []
+
+
+def _shadowed(entries: Sequence[str], modules: Sequence[str]) -> list[str]:
+    """Which of the server's imported ``modules`` a worker would import from ``entries``
+    (a directory without ``__init__.py``, a namespace portion, yields to any module)."""
+    found = ((name, entry, importlib.machinery.PathFinder.find_spec(name, [entry]))
+             for entry in entries for name in modules)
+    return [f"{name} ({entry})" for name, entry, spec in found if spec is not None and spec.loader is not None]
 
 
 class ForkedProcess:
@@ -157,13 +217,67 @@ class PreloadedInterpreter:
     """Forks workers from one interpreter that imported ``preload`` once; see the module
     docstring. Thread-safe; ``close`` ends the server and the workers it still has."""
 
-    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, python: str = sys.executable) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, python: str = sys.executable,
+                 *, shared: str | None = None) -> None:
         self.preload = tuple(preload)
         self.python = python
+        #: Another process's server (its address), used instead of starting one of our own
+        #: for every worker whose start-up environment agrees with that server's.
+        self.shared = shared or None
+        self._shared_description: dict[str, Any] | None = None
+        self._context: dict[str, str] | None = None  # this process's, compared with the shared server's
         self._server: subprocess.Popen[bytes] | None = None
         self._directory = ""
         self._env: dict[str, str] | None = None
         self._lock = threading.Lock()
+
+    def start_server(self, env: Mapping[str, str]) -> str:
+        """Start this object's own server now, with ``env`` (the start-up environment its
+        workers must share), unless it runs; return its address (its socket's path), which
+        other processes may pass as ``shared`` (launchers read ``TD_PRELOADED_SERVER``)."""
+        with self._lock:
+            if self._server is None or self._server.poll() is not None:
+                if self._directory:  # a server that died: its socket's directory too
+                    shutil.rmtree(self._directory, ignore_errors=True)
+                self._start_server(dict(env))
+            return os.path.join(self._directory, "socket")
+
+    def shared_mismatch(self, env: Mapping[str, str]) -> str | None:
+        """Why the ``shared`` server cannot fork a worker with ``env`` (None: it can, or
+        there is none). Such a worker is forked by a server of this object's own."""
+        if self.shared is None:
+            return None
+        description = self._shared_description
+        if description is None:
+            try:
+                with open(self.shared + ".json") as written:
+                    description = self._shared_description = json.load(written)
+            except (OSError, ValueError) as error:
+                return f"no preloaded interpreter answers at {self.shared} ({error})"
+        if description["python"] != self.python:
+            return f"it runs {description['python']}, the workers {self.python}"
+        if self._context is None:
+            self._context = _process_context()
+        theirs_context = description["context"]
+        different = sorted(key for key in theirs_context.keys() | self._context.keys()
+                           if theirs_context.get(key) != self._context.get(key))
+        if different:  # another network namespace, cgroup (a SLURM step), user, limits, ...
+            return f"its {_differ(different)} from this process's"
+        theirs, ours = description["start_env"], _start_time_variables(env)
+        differing = sorted(name for name in theirs.keys() | ours.keys()
+                           if theirs.get(name) != ours.get(name) and name != "PYTHONPATH")
+        if differing:
+            return f"the workers' {_differ(differing)} from its own"
+        # A PYTHONPATH of the workers' own (the server has none) goes onto their sys.path as
+        # a fresh interpreter's would, unless it holds a module the server imported elsewhere.
+        if theirs.get("PYTHONPATH", "") not in ("", ours.get("PYTHONPATH", "")):
+            return "its PYTHONPATH differs from the workers'"
+        if ours.get("PYTHONPATH", "") != theirs.get("PYTHONPATH", ""):
+            shadowed = _shadowed(_python_path(ours), description["modules"])
+            if shadowed:
+                return (f"the workers' PYTHONPATH holds {', '.join(shadowed)}, which it imported "
+                        "from elsewhere")
+        return None
 
     def can_start(self, command: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether ``command`` with ``env`` can be forked (else start a fresh interpreter)."""
@@ -177,6 +291,8 @@ class PreloadedInterpreter:
                 return False
         elif script.startswith("-"):
             return False
+        if self.shared is not None and self.shared_mismatch(env) is None:
+            return True
         with self._lock:
             return self._env is None or _start_time_variables(env) == _start_time_variables(self._env)
 
@@ -185,27 +301,19 @@ class PreloadedInterpreter:
         """Fork ``command`` (``[python, "-u", script|-c CODE|-m MODULE, *args]``, checked
         with ``can_start``) with ``env``, its output to the file descriptors ``stdout`` and
         ``stderr`` (the caller keeps and closes its own). Raises ``OSError`` when the server
-        cannot start or is gone."""
-        with self._lock:
-            if self._server is None or self._server.poll() is not None:
-                if self._directory:  # a server that died: its socket's directory too
-                    shutil.rmtree(self._directory, ignore_errors=True)
-                self._start_server(dict(env))
-            address = os.path.join(self._directory, "socket")
+        cannot start or is gone. A ``shared`` server that is gone is not asked again."""
         request = json.dumps({"argv": list(command[2:]), "env": dict(env),
                               "cwd": cwd if cwd is not None else os.getcwd()}).encode()
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            connection.connect(address)
-            socket.send_fds(connection, [f"{len(request)}\n".encode()], [stdout, stderr])
-            connection.sendall(request)
-        except OSError:
-            connection.close()
-            raise
-        return ForkedProcess(connection, command)
+        if self.shared is not None and self.shared_mismatch(env) is None:
+            try:
+                return ForkedProcess(_send_request(self.shared, request, stdout, stderr), command)
+            except OSError:
+                self.shared = None  # gone: this object's own server from now on
+        return ForkedProcess(_send_request(self.start_server(env), request, stdout, stderr), command)
 
     def close(self) -> None:
-        """End the server; the workers it forked that still run are killed with it."""
+        """End this object's own server; the workers it forked that still run are killed with
+        it. (A ``shared`` server kills a worker when the connection that asked for it closes.)"""
         with self._lock:
             server, self._server = self._server, None
             if server is not None and server.poll() is None:
@@ -246,6 +354,18 @@ class PreloadedInterpreter:
             time.sleep(0.02)
 
 
+def _send_request(address: str, request: bytes, stdout: int, stderr: int) -> socket.socket:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(address)
+        socket.send_fds(connection, [f"{len(request)}\n".encode()], [stdout, stderr])
+        connection.sendall(request)
+    except OSError:
+        connection.close()
+        raise
+    return connection
+
+
 # -- the server (runs in its own interpreter) --------------------------------------------
 
 
@@ -268,20 +388,30 @@ def _serve_until_forked(address: str) -> tuple[dict[str, Any], list[int]]:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up fd hears it
     children: dict[int, socket.socket] = {}
+    abandoned: set[int] = set()  # workers whose client is gone, killed, not yet reaped
+    with open(address + ".json", "w") as description:
+        json.dump({"python": sys.executable, "context": _process_context(),
+                   "start_env": _start_time_variables(os.environ),
+                   "modules": sorted(name for name in sys.modules if "." not in name)}, description)
     with open(address + ".ready", "w"):
         pass
     while True:
-        readable, _, _ = select.select([listener.fileno(), wake_read], [], [], 1.0)
-        if os.getppid() != parent:  # the supervisor is gone: so are its workers
+        clients = {connection.fileno(): pid for pid, connection in children.items() if pid not in abandoned}
+        readable, _, _ = select.select([listener.fileno(), wake_read, *clients], [], [], 1.0)
+        if os.getppid() != parent:  # the process that started us is gone: so are the workers
             for pid in children:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+                _kill_worker(pid)
             shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # nobody else will
             os._exit(0)
         if wake_read in readable:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_read, 4096)
+        for fd in readable:
+            if fd in clients:  # a client sends nothing after its request: it closed or died
+                _kill_worker(clients[fd])
+                abandoned.add(clients[fd])
         _reap(children)
+        abandoned &= children.keys()
         if listener.fileno() not in readable:
             continue
         connection, _ = listener.accept()
@@ -305,6 +435,13 @@ def _serve_until_forked(address: str) -> tuple[dict[str, Any], list[int]]:
             os.close(fd)
         connection.sendall(f"pid {pid}\n".encode())
         children[pid] = connection
+
+
+def _kill_worker(pid: int) -> None:
+    """Kill a worker and what it started in its session (its process group)."""
+    for kill in (os.killpg, os.kill):  # os.kill too: a worker just forked has no session yet
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 def _read_request(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -355,11 +492,14 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.chdir(request["cwd"])
+    server_env = dict(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # seeded once in the server: a fresh interpreter seeds its own
         numpy.random.seed()
+    added = [] if _python_path(server_env) else _python_path(os.environ)  # else the same (can_start)
+    sys.path[:] = added + [entry for entry in sys.path if entry not in added]
     _run_as_main(request["argv"], request["cwd"])
 
 

@@ -17,7 +17,8 @@ With ``start_method="preloaded"`` (or ``TD_START_METHOD=preloaded``) a Python ta
 script, ``-m`` or ``-c``) is forked from an interpreter that imported torch once
 (``preloaded_interpreter.py``): its start and every restart skip torch's import, about 4 s
 of CPU each. Any other command, and the default ``start_method="fresh"``, starts a new
-process.
+process. Where ``TD_PRELOADED_SERVER`` names another process's preloaded interpreter, the
+tasks are forked by that one (no import at all) if their start-up environment agrees with it.
 
 >>> import io, sys
 >>> out = io.StringIO()
@@ -51,7 +52,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TypeAlias
 
-from torch_distribute.cluster.preloaded_interpreter import ForkedProcess, PreloadedInterpreter
+from torch_distribute.cluster.preloaded_interpreter import (
+    SHARED_SERVER_ENV,
+    ForkedProcess,
+    PreloadedInterpreter,
+)
 from torch_distribute.collectives import failure_record
 from torch_distribute.errors import InvalidArgumentError
 
@@ -228,7 +233,9 @@ class ProcessSupervisor:
         self.received: list[int] = []  # signals received by the supervisor, in order
         self.error_dir: str | None = None  # the tasks' failure records (start_all)
         self.seen_failed: list[SupervisedProcess] = []  # found failed in the last poll (_watch)
-        self.preloaded = PreloadedInterpreter() if start_method == "preloaded" else None
+        self.preloaded = (PreloadedInterpreter(shared=os.environ.get(SHARED_SERVER_ENV))
+                          if start_method == "preloaded" else None)
+        self._told_shared_mismatch = False
 
     def log(self, message: str) -> None:
         """Write one message of the supervisor's own (never fails)."""
@@ -275,6 +282,11 @@ class ProcessSupervisor:
         when it must start fresh (another command, or the interpreter failed to start)."""
         if self.preloaded is None or not self.preloaded.can_start(spec.command, spec.env):
             return None
+        mismatch = self.preloaded.shared_mismatch(spec.env)
+        if mismatch is not None and not self._told_shared_mismatch:
+            self._told_shared_mismatch = True
+            self.log(f"not forking from ${SHARED_SERVER_ENV}'s interpreter ({mismatch}): "
+                     "starting one of this launch's own")
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         try:
