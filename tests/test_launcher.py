@@ -634,6 +634,13 @@ PARENT_COMMAND_LINE = """
 """
 
 
+BLOCKED_SIGNALS = """
+    import signal
+    blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    publish(os.path.join(sys.argv[1], "blocked_" + os.environ["RANK"]), repr(blocked))
+"""
+
+
 def _launcher_worker_env(**changes: str) -> dict[str, str]:
     """The start-up environment ``launch`` gives two workers, with ``changes``."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -688,11 +695,12 @@ def test_the_preload_command_serves_the_launches_of_a_shell_until_ctrl_c(tmp_pat
         assert variables.keys() == {"TD_START_METHOD", SHARED_SERVER_ENV}
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
-        script = _script(tmp_path, PARENT_COMMAND_LINE)
+        script = _script(tmp_path, PARENT_COMMAND_LINE + BLOCKED_SIGNALS)
         code, _, err, _ = _run([script, str(tmp_path)], 2)  # the start method from the environment
         assert code == 0 and "not forking" not in err, err
         for rank in (0, 1):
             assert variables[SHARED_SERVER_ENV] in (tmp_path / f"parent_{rank}").read_text()
+            assert (tmp_path / f"blocked_{rank}").read_text() == "[]"  # SIGTERM reaches them
         preload.send_signal(signal.SIGINT)
         assert preload.wait(timeout=20) == 0
         assert not os.path.exists(os.path.dirname(variables[SHARED_SERVER_ENV]))  # the server is gone

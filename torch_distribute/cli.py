@@ -66,12 +66,13 @@ def _preload(_: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     interpreter = PreloadedInterpreter()
-    # Handled here, not left to Python: a process started with SIGINT ignored (by a job
-    # runner, say) would not see Ctrl-C at all.
     ending = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    signal.pthread_sigmask(signal.SIG_BLOCK, ending)
     try:
         address = interpreter.start_server(env)
+        # Waited for here, not left to Python: a process started with SIGINT ignored (by a job
+        # runner, say) would not see Ctrl-C at all. Blocked after the server started, which
+        # would inherit the mask.
+        signal.pthread_sigmask(signal.SIG_BLOCK, ending)
         print(f"export {START_METHOD_ENV}=preloaded {SHARED_SERVER_ENV}={address}", flush=True)
         print("torch-distribute preload: launches with these variables fork their workers from this "
               "interpreter; Ctrl-C ends it and the workers it forked", file=sys.stderr, flush=True)

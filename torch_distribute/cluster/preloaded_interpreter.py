@@ -371,6 +371,8 @@ def _send_request(address: str, request: bytes, stdout: int, stderr: int) -> soc
 
 def serve(address: str, preload: Sequence[str]) -> None:
     """Import ``preload``, then fork a worker per request until the parent is gone."""
+    # Workers get no blocked signal from whoever started the server (a launcher's are free).
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for name in preload:
         importlib.import_module(name)
     request, fds = _serve_until_forked(address)
