@@ -18,7 +18,8 @@ script, ``-m`` or ``-c``) is forked from an interpreter that imported torch once
 (``preloaded_interpreter.py``): its start and every restart skip torch's import, about 4 s
 of CPU each. Any other command, and the default ``start_method="fresh"``, starts a new
 process. Where ``TD_PRELOADED_SERVER`` names another process's preloaded interpreter, the
-tasks are forked by that one (no import at all) if their start-up environment agrees with it.
+tasks are forked by that one (no import at all) where their start-up environment and this
+process's context (namespaces, cgroup, user, limits) agree with its own.
 
 >>> import io, sys
 >>> out = io.StringIO()
