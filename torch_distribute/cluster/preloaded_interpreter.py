@@ -46,9 +46,9 @@ the request's length and, with it, the two file descriptors (``SCM_RIGHTS``), th
 request as JSON (``argv``, ``env``, ``cwd``); the server answers ``pid N`` once forked and
 ``exit CODE`` when it has reaped the child (CODE as ``subprocess.Popen.returncode``:
 negative for a signal). Beside the socket, ``socket.json`` tells the processes that share
-the server its interpreter, process context, start-up environment and imported modules. This file imports only the
-standard library: the server loads it by its path, so that its workers' ``sys.path`` is a
-fresh interpreter's.
+the server its interpreter, process context, start-up environment and imported modules.
+This file imports only the standard library: the server loads it by its path, so that its
+workers' ``sys.path`` is a fresh interpreter's.
 """
 
 from __future__ import annotations
@@ -226,6 +226,7 @@ class PreloadedInterpreter:
         self.shared = shared or None
         self._shared_description: dict[str, Any] | None = None
         self._context: dict[str, str] | None = None  # this process's, compared with the shared server's
+        self._shadowed_by_path: dict[str, list[str]] = {}  # by PYTHONPATH: asked for each worker, thrice
         self._server: subprocess.Popen[bytes] | None = None
         self._directory = ""
         self._env: dict[str, str] | None = None
@@ -272,8 +273,11 @@ class PreloadedInterpreter:
         # a fresh interpreter's would, unless it holds a module the server imported elsewhere.
         if theirs.get("PYTHONPATH", "") not in ("", ours.get("PYTHONPATH", "")):
             return "its PYTHONPATH differs from the workers'"
-        if ours.get("PYTHONPATH", "") != theirs.get("PYTHONPATH", ""):
-            shadowed = _shadowed(_python_path(ours), description["modules"])
+        python_path = ours.get("PYTHONPATH", "")
+        if python_path != theirs.get("PYTHONPATH", ""):
+            if python_path not in self._shadowed_by_path:  # a lookup per imported module and entry
+                self._shadowed_by_path[python_path] = _shadowed(_python_path(ours), description["modules"])
+            shadowed = self._shadowed_by_path[python_path]
             if shadowed:
                 return (f"the workers' PYTHONPATH holds {', '.join(shadowed)}, which it imported "
                         "from elsewhere")
@@ -494,14 +498,14 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.chdir(request["cwd"])
-    server_env = dict(os.environ)
+    # The worker's PYTHONPATH, where the server has none (else they are the same: can_start).
+    added = [] if _python_path(os.environ) else _python_path(request["env"])
+    sys.path[:] = added + [entry for entry in sys.path if entry not in added]
     os.environ.clear()
     os.environ.update(request["env"])
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # seeded once in the server: a fresh interpreter seeds its own
         numpy.random.seed()
-    added = [] if _python_path(server_env) else _python_path(os.environ)  # else the same (can_start)
-    sys.path[:] = added + [entry for entry in sys.path if entry not in added]
     _run_as_main(request["argv"], request["cwd"])
 
 
