@@ -16,7 +16,7 @@ default torch threads:
   in ``strategy.scope()``, batches through ``strategy.experimental_distribute_dataset``, the
   step through ``strategy.run`` and a SUM ``strategy.reduce`` of the loss (as
   ``common.strategy_trainer``); in ``one-function`` the distributed step is decorated with
-  ``@td.function`` (the port of ``@tf.function``: what ``run`` runs is compiled per replica).
+  ``@td.function`` (the port of ``@tf.function``: what ``run`` runs is compiled).
 * ``mirrored-eager`` / ``mirrored-function``: the same under
   ``td.MirroredStrategy(["cpu:0", "cpu:1"])``, same global batch (32 rows per replica).
 * ``mirrored-compiled``: the hand-written way under Mirrored (README, "Compiled steps"):

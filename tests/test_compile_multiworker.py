@@ -179,7 +179,10 @@ def test_compiled_training_matches_one_eager_process_and_workers_agree(jobs, ref
 def test_the_second_epoch_compiles_no_new_graph(jobs, replicas, case):
     for rank, train in _case(jobs, replicas, case).items():
         first, second = train["graphs_after_epoch"]
-        # At least one graph per local replica (it was compiled), at most one more per replica
-        # for the ragged batch, and none in the second epoch.
-        assert replicas <= first <= 2 * replicas, f"worker {rank}: {train['graphs_after_epoch']}"
+        # At least a graph (it was compiled), and none in the second epoch. Under td.function
+        # the local replicas share theirs: one, and one more per ragged split of the last batch
+        # ([2, 1] rows: two). torch.compile on the module makes each replica trace its own, and
+        # one more for the ragged batch.
+        most = 3 if W.CASES[case][0] == "function" else 2 * replicas
+        assert 1 <= first <= most, f"worker {rank}: {train['graphs_after_epoch']}"
         assert second - first == 0, f"worker {rank}: {train['graphs_after_epoch']}"

@@ -316,7 +316,8 @@ COMPILE_FLAGS = [
 @pytest.mark.timeout(600)  # ~15 s with inductor's cache warm; cold on 2 busy cores: 3-6 minutes
 def test_compiled_steps_train_what_eager_trains(tmp_path: Path, capsys):
     """``--compile`` (td.function on the distributed train and test steps, the tutorial's
-    @tf.function) gives eager's parameters and losses, with a graph per replica.
+    @tf.function) gives eager's parameters and losses; the two replicas share their graphs
+    (test_compile.py counts them).
 
     Two CPU replicas only: the example's compile path is the same for every strategy, and
     td.function on one device is checked in test_compile.py (a cold compile of these graphs
@@ -330,9 +331,8 @@ def test_compiled_steps_train_what_eager_trains(tmp_path: Path, capsys):
     finally:
         torch._dynamo.reset()
     assert "td.function graphs compiled: " in capsys.readouterr().out
-    replicas = compiled.strategy.num_replicas_in_sync
     assert eager.tracing_counts == {}
-    assert compiled.tracing_counts["train"] >= replicas and compiled.tracing_counts["test"] >= replicas
+    assert compiled.tracing_counts["train"] >= 1 and compiled.tracing_counts["test"] >= 1
     for name, model in eager.gan.models().items():
         assert _max_parameter_difference(model, compiled.gan.models()[name]) < 1e-5, name
     assert len(eager.steps) == len(compiled.steps) == 2

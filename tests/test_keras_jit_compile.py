@@ -80,12 +80,12 @@ def test_compiled_fit_evaluate_predict_equal_eager_and_compile_once(kind):
     assert evaluated == pytest.approx(eager_evaluated, rel=1e-5)
     torch.testing.assert_close(predicted, eager_predicted, rtol=1e-5, atol=1e-5)
 
-    # Epoch 1 compiled every replica's step (the ragged batch included); epoch 2 nothing.
+    # Epoch 1 compiled the step (the ragged batch included); epoch 2 nothing.
     train_graphs, _, test_graphs, test_graphs_after_evaluate = counts
-    assert train_graphs >= model.distribute_strategy.num_replicas_in_sync and counts[1] == train_graphs
+    assert train_graphs >= 1 and counts[1] == train_graphs
     # evaluate ran the validation's graphs (the same batches); predict compiled its own.
-    assert test_graphs >= model.distribute_strategy.num_replicas_in_sync and test_graphs_after_evaluate == test_graphs
-    assert model.predict_function.experimental_get_tracing_count() >= model.distribute_strategy.num_replicas_in_sync
+    assert test_graphs >= 1 and test_graphs_after_evaluate == test_graphs
+    assert model.predict_function.experimental_get_tracing_count() >= 1
     # Another fit keeps the functions and compiles nothing.
     x, y = _data()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, validation_data=(x, y), verbose=0)

@@ -3,10 +3,20 @@
 Decorate the function that calls ``strategy.run`` (the tutorials' ``distributed_train_step``)
 or a replica step. The function that calls ``run`` stays eager Python: it only hands work to
 the replicas, and a graph spanning several devices is what CUDA graphs and NCCL capture
-cannot take. What ``run`` runs is compiled instead, once per replica and device: each replica
-computes with its own copies of the parameters, so dynamo traces one graph per replica (see
-``ReplicaTensorMode``), and the gradient sum in ``optimizer.step()`` stays the strategy's own,
-exact, outside the graphs. A function that never calls ``run`` is compiled whole.
+cannot take. What ``run`` runs is compiled instead, and the gradient sum in
+``optimizer.step()`` stays the strategy's own, exact, outside the graphs. A function that
+never calls ``run`` is compiled whole.
+
+Each replica computes with its own copies of the parameters (``ReplicaTensorMode``), which
+the graph takes as inputs, so replicas that share a device (CPU replicas, logical GPUs of one
+card) share one graph: dynamo traces it once. For that the replicas take turns in a ``run``
+whose inputs differ in kind (shapes, dtypes, devices, Python values) from the last run's: each
+runs until it merges or returns, then the next, so every replica but the first finds the graph
+replica 0 traced or picked at the front of dynamo's cache. Run together, they would each miss
+it and trace their own (and two threads looking up a graph that is not the front entry can miss
+it: dynamo moves the entry it finds to the front). A step fed more than 16 kinds of input
+(shapes that vary) runs its replicas together: by then dynamo has made its graph dynamic.
+Replicas on different devices get a graph each.
 
 On CUDA, ``mode=None`` picks CUDA graphs (``"reduce-overhead"``) where each process drives
 one GPU replica (``OneDeviceStrategy``, one GPU per worker under torchrun), and plain
@@ -37,8 +47,8 @@ released, and the replicas' graphs overlap.
 ...     return strategy.reduce("sum", strategy.run(train_step, args=(x,)), axis=None)
 >>> for x in strategy.experimental_distribute_dataset([torch.ones(8, 4)] * 2):
 ...     loss = distributed_train_step(x)
->>> distributed_train_step.experimental_get_tracing_count() >= 2  # a graph per replica
-True
+>>> distributed_train_step.experimental_get_tracing_count()  # one graph for both replicas
+1
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,7 +69,7 @@ from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.input.element_spec import TensorSpec
 from torch_distribute.values import DistributedValues
 
-__all__ = ["Function", "function", "for_replicas"]
+__all__ = ["Function", "ReplicaStep", "function", "for_replicas"]
 
 _MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -102,9 +112,20 @@ class _CudagraphSkips(logging.Handler):
 # torch logs these on an artifact logger; a handler of our own sees them without TORCH_LOGS.
 _CUDAGRAPH_LOGGER = "torch._inductor.cudagraph_utils.__cudagraphs"
 _cudagraph_skips = _CudagraphSkips()
-# Graphs dynamo keeps per code object before it gives up and runs it eagerly: each replica
-# needs its own (and one more for a ragged last batch), so the limit grows with the replicas.
+# Graphs dynamo keeps per code object before it gives up and runs it eagerly: replicas on
+# different devices need their own (and one more for a ragged last batch), so the limit grows
+# with the replicas.
 _GRAPHS_PER_REPLICA = 8
+# Kinds of input for which a compiled replica step's replicas take turns (see the docstring).
+_KINDS_WITH_TURNS = 16
+
+
+class _InputKinds:
+    """The kinds of input (``_input_kind``) a compiled replica step has run with."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[Any, ...]] = set()  # at most _KINDS_WITH_TURNS
+        self.last: tuple[Any, ...] | None = None
 
 
 class _ProcessSettings:
@@ -207,6 +228,7 @@ class Function:
         self._compiled: weakref.WeakKeyDictionary[Any, dict[tuple[str | None, bool], Callable[..., Any]]] = (
             weakref.WeakKeyDictionary()
         )
+        self._input_kinds: weakref.WeakKeyDictionary[Any, _InputKinds] = weakref.WeakKeyDictionary()
         self._warned: set[str] = set()
 
     def _check_signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -318,6 +340,18 @@ class Function:
                 watch_for_compiler()  # dynamo is loaded now: our eager wrappers stay eager
         return attributed if owner is None else functools.partial(attributed, owner)
 
+    def replicas_take_turns(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether replicas that share a device should take turns in this run of the compiled
+        replica step ``fn`` (see the module docstring), and records its kind of input."""
+        target = fn.__func__ if hasattr(fn, "__func__") else fn
+        kind = _input_kind((args, kwargs))
+        with self._lock:
+            kinds = self._input_kinds.setdefault(target, _InputKinds())
+            changed, kinds.last = kind != kinds.last, kind
+            if changed and len(kinds.seen) < _KINDS_WITH_TURNS:
+                kinds.seen.add(kind)
+            return changed and kind in kinds.seen
+
     def _attributed(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled``, calling which makes this function the one inductor's messages concern."""
 
@@ -344,6 +378,22 @@ class Function:
         return len(self._graphs)
 
 
+def _input_kind(value: Any) -> tuple[Any, ...]:
+    """What of a run's arguments decides which graph dynamo picks: each tensor's shape, dtype,
+    device and ``requires_grad`` (every replica's, for a ``PerReplica``), each Python scalar's
+    and string's value, and the type of anything else."""
+    kind: list[Any] = []
+    for leaf in nest.leaves(value):
+        for item in leaf.values if isinstance(leaf, DistributedValues) else (leaf,):
+            if isinstance(item, torch.Tensor):
+                kind.append((tuple(item.shape), item.dtype, item.device, item.requires_grad))
+            elif item is None or isinstance(item, (bool, int, float, str)):
+                kind.append((type(item), item))
+            else:
+                kind.append(type(item))
+    return tuple(kind)
+
+
 def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
     """Whether the graphs run in several CPU replica threads: built to release the GIL."""
     return devices is not None and len(devices) > 1 and all(d.type == "cpu" for d in devices)
@@ -357,12 +407,26 @@ def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, f
     return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
 
 
-def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
-    """What ``strategy.run`` should run for ``fn`` on replicas on ``devices`` (this process's):
-    compiled inside a ``td.function`` call."""
+class ReplicaStep(NamedTuple):
+    """What ``strategy.run`` runs on each replica (``for_replicas``)."""
+
+    fn: Callable[..., Any]
+    compiled: bool  # inside a ``td.function`` call: ``fn`` compiled
+    take_turns: bool  # compiled, and replicas that share a device should take turns in this run
+
+
+def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None,
+                 args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> ReplicaStep:
+    """What ``strategy.run(fn, args, kwargs)`` should run on replicas on ``devices`` (this
+    process's): ``fn`` compiled inside a ``td.function`` call, else ``fn`` itself.
+
+    >>> for_replicas(print).compiled  # outside td.function
+    False
+    """
     if not _active.calls:
-        return fn
+        return ReplicaStep(fn, compiled=False, take_turns=False)
     call = _active.calls[-1]
     call.runs += 1
     _settings.allow_graphs_for(len(devices) if devices else 1)
-    return call.function.compiled(fn, devices)
+    compiled = call.function.compiled(fn, devices)
+    return ReplicaStep(compiled, compiled=True, take_turns=call.function.replicas_take_turns(fn, args, kwargs or {}))

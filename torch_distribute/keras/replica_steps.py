@@ -132,7 +132,7 @@ class ReplicaSteps:
 def step_function(model: _Distributed, step: str, compiled: bool) -> StepFunction:
     """``f(steps, *args)``: ``model.distribute_strategy.run(steps.<step>, args)``, named after
     ``step`` (``"train_step"`` gives ``train_function``); with ``compiled``, a ``td.function``
-    (the replicas' steps compiled once per replica)."""
+    (the replica step compiled; replicas on one device share its graphs)."""
 
     def run_step(steps: ReplicaSteps, *args: object) -> Any:
         return model.distribute_strategy.run(getattr(steps, step), args=args)

@@ -211,9 +211,10 @@ class Strategy:
                 "strategy.run() was called inside a replica function; call the inner function "
                 "directly (it already runs once per replica)."
             )
-        replica_fn = compiled_function.for_replicas(fn, self._extended.replica_devices)
-        if replica_fn is not fn:
-            self._extended.compiling_replica_steps()
+        step = compiled_function.for_replicas(fn, self._extended.replica_devices, tuple(args), kwargs)
+        replica_fn = step.fn
+        if step.compiled:
+            self._extended.compiling_replica_steps(take_turns=step.take_turns)
         if self.num_replicas_in_sync > 1:
             replica_fn = loss_scaling.with_replica_inputs(replica_fn)
         return self._extended.call_for_each_replica(replica_fn, tuple(args), kwargs or {})

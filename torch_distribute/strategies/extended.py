@@ -151,9 +151,11 @@ class StrategyExtended:
         """Call ``fn`` once per local replica under its ``ReplicaContext``; regroup results."""
         raise NotImplementedError
 
-    def compiling_replica_steps(self) -> None:
+    def compiling_replica_steps(self, take_turns: bool) -> None:
         """``run`` is about to call compiled replica steps (inside a ``td.function``): lay the
-        replicas' state out for compiled graphs. Nothing here."""
+        replicas' state out for compiled graphs. ``take_turns``: replicas that share a device
+        should run one at a time in this run, so that they share the graph the first one traces
+        or picks (``compiled_function``). Nothing here."""
 
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, step: Callable[..., Any], closure: Callable[[], Any] | None

@@ -76,6 +76,7 @@ class MirroredExtended(ReplicatedExtended):
         self._global_gradients = GlobalGradients()
         self._nonfinite = NonFiniteMonitor(strategy)
         self._steps_taken: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._next_run_takes_turns = False  # set by compiling_replica_steps for one run
 
     def _replica_threads(self) -> ReplicaThreads:
         if self._threads is None:
@@ -86,6 +87,11 @@ class MirroredExtended(ReplicatedExtended):
             # The threads hold no reference to the strategy; stop them when it goes away.
             weakref.finalize(self._strategy, self._threads.close)
         return self._threads
+
+    def compiling_replica_steps(self, take_turns: bool) -> None:
+        super().compiling_replica_steps(take_turns)
+        devices = self.replica_devices  # replicas on different devices share no graph
+        self._next_run_takes_turns = take_turns and len(set(devices)) < len(devices)
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self._global_gradients.forget_all()  # a new backward: gradients are local again
@@ -104,7 +110,8 @@ class MirroredExtended(ReplicatedExtended):
         modes: list[TorchFunctionMode] = [
             ReplicaTensorMode(self._state, k, strict=True) for k in range(self.num_local_replicas)
         ]
-        return threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes)
+        take_turns, self._next_run_takes_turns = self._next_run_takes_turns, False
+        return threads.run(fn, args, kwargs, self._strategy, replica_contexts, modes, take_turns=take_turns)
 
     # -- optimizers ------------------------------------------------------------------------
     @property

@@ -8,6 +8,12 @@ merge calls get ``ReplicaMismatchError``, never a hang. Torch kernels release th
 CPU replicas and CUDA devices compute in parallel; each CPU replica gets its share of the
 intra-op threads so they do not oversubscribe the cores, and the serial merge gets them all.
 
+A run can ask its replicas to take turns (``take_turns``): replica 0 runs until it pauses in a
+merge or returns, then replica 1, and so on; after each merge replica 0 goes first again. A
+compiled step's run whose inputs differ in kind from its last run's does (``compiled_function``),
+so that dynamo traces or picks its graphs in replica 0 first, and the other replicas find them
+at the front of its cache instead of each tracing its own.
+
 Replicas that share a GPU (logical GPUs, ``td.config``) each compute on a CUDA stream of their
 own. Every hand-over joins the streams: a replica's stream waits for the caller's before the
 replica starts and after each merge; the caller's stream waits for the replicas' before a
@@ -128,6 +134,7 @@ class ReplicaThreads:
         self._failure: BaseException | None = None
         self._current: _Run | None = None
         self._pending = [False] * self._n
+        self._turn: int | None = None  # the replica whose turn it is, while replicas take turns
         self._closed = False
         self._run_lock = threading.Lock()
         self._full_threads = torch.get_num_threads()
@@ -149,8 +156,10 @@ class ReplicaThreads:
 
     # -- called by the strategy -----------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strategy: context.StrategyLike,
-            replica_contexts: Sequence[context.ReplicaContextLike], modes: list[TorchFunctionMode]) -> Any:
-        """Run ``fn`` on every replica; ``replica_contexts[k]``/``modes[k]`` are replica k's."""
+            replica_contexts: Sequence[context.ReplicaContextLike], modes: list[TorchFunctionMode],
+            take_turns: bool = False) -> Any:
+        """Run ``fn`` on every replica; ``replica_contexts[k]``/``modes[k]`` are replica k's.
+        ``take_turns``: one replica at a time (see the module docstring)."""
         if not self._run_lock.acquire(blocking=False):
             raise ContextError(
                 "strategy.run() was called while another strategy.run() of the same strategy "
@@ -166,6 +175,7 @@ class ReplicaThreads:
                 self._results = [None] * self._n
                 self._errors = [None] * self._n
                 self._pending = [False] + [True] * (self._n - 1)
+                self._turn = 0 if take_turns else None
                 self._cond.notify_all()
             with self._intra_op(self._intra_op_threads):
                 self._execute(0, current)
@@ -176,6 +186,7 @@ class ReplicaThreads:
                 self._results = [None] * self._n
                 self._errors = [None] * self._n
                 self._current = None
+                self._turn = None
         finally:
             self._run_lock.release()
         if failure is None:
@@ -191,6 +202,8 @@ class ReplicaThreads:
         context.push_frame(current.strategy, current.replica_contexts[k])
         result, error = None, None
         try:
+            with self._cond:
+                self._cond.wait_for(lambda: self._may_go_on(k))
             with self._replica_stream(k, current), current.thread_state.applied(), \
                     self._random_mode(k, current), current.modes[k]:
                 result = current.fn(*current.args[k], **current.kwargs[k])
@@ -201,6 +214,7 @@ class ReplicaThreads:
         with self._cond:
             self._results[k], self._errors[k] = result, error
             self._states[k] = _DONE
+            self._pass_turn(k)
             self._abort_if_mismatched()
             self._cond.notify_all()
 
@@ -232,6 +246,7 @@ class ReplicaThreads:
                 raise _Abort()
             self._merge_requests[local_id] = (merge_fn, args, kwargs)
             self._states[local_id] = _MERGING
+            self._pass_turn(local_id)
             last = all(s == _MERGING for s in self._states)
             if not last:
                 self._abort_if_mismatched()
@@ -240,6 +255,7 @@ class ReplicaThreads:
         if last:
             self._merge()
         with self._cond:
+            self._cond.wait_for(lambda: self._may_go_on(local_id))
             result = self._merge_results[local_id]
             self._merge_results[local_id] = self._merge_requests[local_id] = None
         if isinstance(result, _Abort):
@@ -274,7 +290,19 @@ class ReplicaThreads:
         with self._cond:
             self._merge_results = results
             self._states = [_RUNNING] * self._n
+            if self._turn is not None:
+                self._turn = 0
             self._cond.notify_all()
+
+    def _may_go_on(self, k: int) -> bool:
+        """Called with the lock held: whether replica ``k`` may start or go on computing (its
+        turn, when replicas take turns, or the run failed and every replica unwinds)."""
+        return self._turn is None or self._turn == k or self._failure is not None
+
+    def _pass_turn(self, k: int) -> None:
+        """Called with the lock held: replica ``k`` paused in a merge or returned."""
+        if self._turn == k:
+            self._turn = k + 1
 
     def _abort_if_mismatched(self) -> None:
         """Called with the lock held: some replicas returned while others wait in merge_call."""

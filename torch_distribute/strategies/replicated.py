@@ -89,11 +89,10 @@ class ReplicatedExtended(StrategyExtended):
     def finish_scope(self) -> None:
         self._state.sync_stale()
 
-    def compiling_replica_steps(self) -> None:
+    def compiling_replica_steps(self, take_turns: bool) -> None:
         # Replicas that share a device (CPU replicas, logical GPUs of one card) can share their
-        # compiled code: inductor's cache finds replica 1's graph equal to replica 0's only if
-        # replica 0 also computes with a copy, not with the user's parameters (dynamo traces
-        # those as module parameters: other inputs, in another order).
+        # compiled graphs only if replica 0 also computes with a copy, not with the user's
+        # parameters (dynamo traces those as module parameters: other inputs, in another order).
         devices = self.replica_devices
         if len(set(devices)) < len(devices):
             self._state.put_every_replica_on_copies()

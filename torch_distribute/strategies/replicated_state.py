@@ -302,15 +302,16 @@ class ReplicaTensorMode(TorchFunctionMode):
     With ``strict`` (more than one replica), an ``nn.Parameter`` that is not mirrored means a
     module was made outside ``strategy.scope()``: training it would silently diverge, so it
     raises ``UnmirroredStateError``. ``torch.compile`` traces through this mode, so a compiled
-    module or step computes with each replica's copies, one graph per replica (the fake
+    module or step computes with each replica's copies: the graph reads them from the mode of
+    the thread that runs it, as inputs, and replicas on one device can share it (the fake
     parameters dynamo makes while tracing are let through).
     """
 
     def __init__(self, state: ReplicatedState, local_replica_id: int, strict: bool):
         super().__init__()
         # A replica that computes with the user's tensors themselves swaps nothing. Under
-        # torch.compile this flag is also what keeps each replica's graph its own: dynamo
-        # guards on it, so no replica runs a graph traced with another one's tensors.
+        # torch.compile dynamo guards on this flag, so a replica on copies never runs a graph
+        # traced by one on the user's tensors (whose graph holds those as module parameters).
         self._passthrough = local_replica_id not in state.replicas_on_copies
         # Built once per run: primary id -> (primary, this replica's copy). Holding the primary
         # makes the identity check exact (an id is never reused while the pair is held).
