@@ -29,7 +29,8 @@ Time: each step has a limit of at most 9 minutes and the whole at most 40; a ste
 not fit in what is left is reported as skipped. ``--only`` picks steps (to spread them over
 several machine leases: each call writes its own report; ``--suffix`` keeps them apart).
 Measured on an H200 (2026-11-26, cold caches): gpu-tests 130 s, precision 299 s, logical-gpus
-59 s, fully-sharded 75 s; the CycleGAN steps have not run on it yet. Where a session has 15
+59 s, fully-sharded 75 s; on an H100 (the same day): gpu-tests 81 s, cyclegan 261 s,
+cyclegan-bf16 187 s, logical-gpus 51 s; a lease started in about 30 s. Where a session has 15
 minutes of device time in calls of at most 10, split it, e.g. ``--only
 gpu-tests,precision,logical-gpus --budget 545`` then ``--only fully-sharded,cyclegan
 --suffix b --budget 300``.
