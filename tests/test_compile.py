@@ -119,9 +119,9 @@ CPU_REPLICAS = {
 
 @pytest.mark.parametrize("name", list(CPU_REPLICAS))
 def test_replicas_on_one_device_trace_and_compile_their_graphs_once(name):
-    """Replicas on one device (CPU replicas) share the compiled graphs: in a run with inputs of
-    a new kind they take turns, replica 0 traces, and the others find its graphs in dynamo's
-    cache (every replica computes with a copy of the parameters, and the graphs take the copies
+    """Replicas on one device (CPU replicas) share the compiled graphs: in a run whose inputs
+    differ in kind from the last run's they take turns, replica 0 traces, and the others find
+    its graphs in dynamo's cache (every replica computes with a copy of the parameters, and the graphs take the copies
     as inputs). So four replicas trace what two do, the ragged last batch's graph (a dynamic
     batch size) included, and ask inductor for as many compiled graphs."""
     found = {}
