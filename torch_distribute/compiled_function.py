@@ -326,7 +326,7 @@ class Function:
     def compiled(self, fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None) -> Callable[..., Any]:
         """``fn`` compiled with this function's options (once per function object and mode),
         for replicas on ``devices`` (None: not known)."""
-        target, owner = (fn.__func__, getattr(fn, "__self__", None)) if hasattr(fn, "__func__") else (fn, None)
+        target, owner = _unbound(fn)
         mode = self._mode_for(devices)
         key = (mode, _replica_threads_on_cpu(devices))
         with self._lock:
@@ -343,7 +343,7 @@ class Function:
     def replicas_take_turns(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether replicas that share a device should take turns in this run of the compiled
         replica step ``fn`` (see the module docstring), and records its kind of input."""
-        target = fn.__func__ if hasattr(fn, "__func__") else fn
+        target, _ = _unbound(fn)
         kind = _input_kind((args, kwargs))
         with self._lock:
             kinds = self._input_kinds.setdefault(target, _InputKinds())
@@ -376,6 +376,12 @@ class Function:
     def experimental_get_tracing_count(self) -> int:
         """The number of graphs compiled so far."""
         return len(self._graphs)
+
+
+def _unbound(fn: Callable[..., Any]) -> tuple[Any, Any]:
+    """``fn``'s function and the object it is bound to (None for a plain function): compiled
+    graphs and input kinds are kept per function, for every object it is bound to."""
+    return (fn.__func__, getattr(fn, "__self__", None)) if hasattr(fn, "__func__") else (fn, None)
 
 
 def _input_kind(value: Any) -> tuple[Any, ...]:

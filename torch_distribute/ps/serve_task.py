@@ -37,14 +37,6 @@ def _end_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -57,9 +49,10 @@ def _alive(pid: int) -> bool:
 
 def _die_with(coordinator: int, pdeathsig: bool) -> None:
     parent = os.getppid()
-    # A parent other than the coordinator is a preloaded interpreter: the coordinator's own
-    # (its child) or a shared one (then the coordinator is alive, or we are about to be killed).
-    if parent != coordinator and _parent_of(parent) != coordinator and not _alive(coordinator):
+    # A parent other than the coordinator is a preloaded interpreter, the coordinator's own
+    # (its child) or a shared one: either way the coordinator is alive, or we are about to be
+    # killed.
+    if parent != coordinator and not _alive(coordinator):
         _end_now()  # the coordinator is gone: nothing to serve
     if pdeathsig and sys.platform.startswith("linux"):
         try:

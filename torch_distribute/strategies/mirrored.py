@@ -90,8 +90,8 @@ class MirroredExtended(ReplicatedExtended):
 
     def compiling_replica_steps(self, take_turns: bool) -> None:
         super().compiling_replica_steps(take_turns)
-        devices = self.replica_devices  # replicas on different devices share no graph
-        self._next_run_takes_turns = take_turns and len(set(devices)) < len(devices)
+        # Replicas on different devices share no graph: nothing to wait for.
+        self._next_run_takes_turns = take_turns and self._replicas_share_a_device()
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self._global_gradients.forget_all()  # a new backward: gradients are local again

@@ -202,8 +202,6 @@ class ReplicaThreads:
         context.push_frame(current.strategy, current.replica_contexts[k])
         result, error = None, None
         try:
-            with self._cond:
-                self._cond.wait_for(lambda: self._may_go_on(k))
             with self._replica_stream(k, current), current.thread_state.applied(), \
                     self._random_mode(k, current), current.modes[k]:
                 result = current.fn(*current.args[k], **current.kwargs[k])
@@ -227,8 +225,8 @@ class ReplicaThreads:
             torch.get_num_threads()  # pins the count for this thread before the caller restores
         self._ready.wait()
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending[k] or self._closed)
+            with self._cond:  # replica 0, the caller, always goes first
+                self._cond.wait_for(lambda: (self._pending[k] and self._may_go_on(k)) or self._closed)
                 if self._closed:
                     return
                 self._pending[k] = False

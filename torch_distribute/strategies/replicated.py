@@ -89,12 +89,17 @@ class ReplicatedExtended(StrategyExtended):
     def finish_scope(self) -> None:
         self._state.sync_stale()
 
-    def compiling_replica_steps(self, take_turns: bool) -> None:
-        # Replicas that share a device (CPU replicas, logical GPUs of one card) can share their
-        # compiled graphs only if replica 0 also computes with a copy, not with the user's
-        # parameters (dynamo traces those as module parameters: other inputs, in another order).
+    def _replicas_share_a_device(self) -> bool:
+        """Whether some replicas share a device (CPU replicas, logical GPUs of one card): those
+        can share compiled graphs."""
         devices = self.replica_devices
-        if len(set(devices)) < len(devices):
+        return len(set(devices)) < len(devices)
+
+    def compiling_replica_steps(self, take_turns: bool) -> None:
+        # Replicas that share a device can share their compiled graphs only if replica 0 also
+        # computes with a copy, not with the user's parameters (dynamo traces those as module
+        # parameters: other inputs, in another order).
+        if self._replicas_share_a_device():
             self._state.put_every_replica_on_copies()
 
     def owns(self, obj: Any) -> bool:
