@@ -43,7 +43,8 @@ def xy_batch(g: int, start: int = 0):
 
 @pytest.mark.parametrize(
     ("n", "g", "expected"),
-    [(2, 7, [4, 3]), (4, 10, [3, 3, 2, 2]), (3, 10, [4, 3, 3]), (3, 5, [2, 2, 1]),
+    # TensorFlow 2.21's split: ceil(rows / replicas) each, in order, the last ones smaller or empty.
+    [(2, 7, [4, 3]), (4, 10, [3, 3, 3, 1]), (3, 10, [4, 4, 2]), (3, 5, [2, 2, 1]), (3, 4, [2, 2, 0]),
      (3, 1, [1, 0, 0]), (4, 2, [1, 1, 0, 0]), (2, 8, [4, 4]), (1, 7, [7]), (3, 0, [0, 0, 0])],
 )
 def test_per_replica_sizes(n, g, expected):
@@ -99,7 +100,8 @@ def check_xy_epoch(strategy, dist, batches):
     n = strategy.num_replicas_in_sync
     for (dx, dy), (x, y) in zip(steps, batches, strict=True):
         g = x.shape[0]
-        expected = [g // n + (1 if k < g % n else 0) for k in range(n)]
+        chunk = -(-g // n)  # TensorFlow 2.21's split: ceil(rows / replicas), in order
+        expected = [max(0, min(chunk, g - k * chunk)) for k in range(n)]
         assert sizes_of(strategy, dx) == expected
         assert torch.equal(strategy.gather(dx, 0), x)
         assert torch.equal(strategy.gather(dy, 0), y)

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import torch_distribute as td
 from torch_distribute.cluster.launcher import launch
 from torch_distribute.input import DatasetFromFunction, DistributedDataset
+from torch_distribute.input.step_agreement import StepReport
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -57,16 +58,16 @@ class Counting:
 
 
 class Recorder:
-    """Stands in for ``extended.any_worker_has_data``: records the local answers and replies
-    with a scripted agreement (other workers may still have data)."""
+    """Stands in for ``extended.gather_input_reports``: records whether this worker had data
+    and replies with its report and another worker's, which has data as scripted."""
 
-    def __init__(self, agreed: list[bool]):
+    def __init__(self, other_has_data: list[bool]):
         self.asked: list[bool] = []
-        self._agreed = iter(agreed)
+        self._other = iter(other_has_data)
 
-    def __call__(self, has_data: bool) -> bool:
-        self.asked.append(has_data)
-        return next(self._agreed)
+    def __call__(self, report: StepReport) -> list[StepReport]:
+        self.asked.append(report.has_data)
+        return [report, StepReport(next(self._other), 0, 0)]
 
 
 def with_policy(dataset, policy):
@@ -111,7 +112,7 @@ def test_get_next_as_optional_waits_for_other_workers_without_another_collective
     # This worker has 2 batches; another worker has 3: the third step is empty here, the
     # fourth is the end on every worker. One agreement per call, as next() makes.
     sync = Recorder([True, True, True, False])
-    dataset = DistributedDataset(batches(2, rows=4), CPU2, num_workers=2, worker_index=0, sync_has_data=sync)
+    dataset = DistributedDataset(batches(2, rows=4), CPU2, num_workers=2, worker_index=0, sync_step=sync)
     iterator = iter(dataset)
     optionals = [iterator.get_next_as_optional() for _ in range(4)]
     assert [o.has_value() for o in optionals] == [True, True, True, False]
@@ -308,7 +309,7 @@ def test_the_default_buffer_prefetches_only_where_there_is_a_copy_to_overlap():
 def test_the_buffer_reads_ahead_only_locally_one_agreement_per_step():
     sync = Recorder([True, True, True, False])
     source = Counting(batches(3, rows=4))
-    dataset = DistributedDataset(source, CPU2, num_workers=2, worker_index=1, sync_has_data=sync,
+    dataset = DistributedDataset(source, CPU2, num_workers=2, worker_index=1, sync_step=sync,
                                  options=td.InputOptions(experimental_per_replica_buffer_size=2))
     assert len(list(dataset)) == 3
     assert sync.asked == [True, True, True, False]
@@ -331,8 +332,10 @@ def test_the_dataset_policy_is_honoured_and_the_call_policy_wins():
     make = lambda ds, options=None: DistributedDataset(ds, CPU2, num_workers=2, worker_index=1,  # noqa: E731
                                                        options=options)
     assert make(data).shard_policy is td.AutoShardPolicy.FILE  # AUTO: it can shard itself
-    assert rows_of(make(data)) == [[4, 4]] * 2  # FILE: worker 1's batches 1 and 3, whole
-    for policy, steps in ((td.AutoShardPolicy.OFF, [[4, 4]] * 4), (td.AutoShardPolicy.DATA, [[2, 2]] * 4)):
+    # Every batch holds a global batch of 8 rows, 2 per replica of the 2 x 2. FILE: worker 1 reads
+    # batches 1 and 3, 2 steps each; OFF: all 4 batches, 2 steps each; DATA: its half of each.
+    assert rows_of(make(data)) == [[2, 2]] * 4
+    for policy, steps in ((td.AutoShardPolicy.OFF, [[2, 2]] * 8), (td.AutoShardPolicy.DATA, [[2, 2]] * 4)):
         own = make(with_policy(data, policy))
         assert own.shard_policy is policy and rows_of(own) == steps
     overridden = make(with_policy(data, td.AutoShardPolicy.OFF), td.InputOptions(auto_shard_policy=td.AutoShardPolicy.DATA))
@@ -379,15 +382,17 @@ def test_fit_on_a_dataset_with_options_in_one_process():
 
 
 def _reference_fit() -> list[float]:
-    """One process, no strategy: each step on both workers' shares together."""
+    """One process, no strategy: step k trains on both workers' k-th pieces of 4 rows together
+    (each worker's batch of 8 rows makes two steps under AutoShardPolicy.OFF)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for (x0, y0), (x1, y1) in zip(J.share(0, 2), J.share(1, 2), strict=True):
-        x, y = torch.cat([x0, x1]), torch.cat([y0, y1]).unsqueeze(1)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for half in (slice(0, 4), slice(4, 8)):
+            x, y = torch.cat([x0[half], x1[half]]), torch.cat([y0[half], y1[half]]).unsqueeze(1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
     return [float(v) for p in model.parameters() for v in p.detach().reshape(-1)]
 
 
@@ -401,15 +406,15 @@ def test_two_workers_optional_end_of_data_and_fit_with_the_dataset_policy():
     results = H.parse_results(out.getvalue())
     assert sorted(results) == [0, 1], out.getvalue()[-3000:]
     for rank in (0, 1):
-        assert results[rank]["has_value"] == [True, True, True, False, False]
-        assert results[rank]["agreements"] == 5  # one per call, none more
+        assert results[rank]["has_value"] == [True] * 6 + [False, False]
+        assert results[rank]["agreements"] == 8  # one per call, none more
         assert results[rank]["policy"] == "OFF"
         # The DDP habit: DistributedSampler(dataset) given to experimental_distribute_dataset.
         assert f"DistributedSampler(num_replicas=2, rank={rank})" in results[rank]["ddp_refused"]
         assert "sharded twice" in results[rank]["ddp_refused"]
         assert results[rank]["ddp_declared_rows"] == 4  # declared as the worker's share: half of 8
-    assert results[0]["local_rows"] == [4, 4, 4]
-    assert results[1]["local_rows"] == [4, 4, 0]  # ran out: an empty batch while worker 0 has data
+    assert results[0]["local_rows"] == [4] * 6  # 3 global batches of 8, 2 steps each
+    assert results[1]["local_rows"] == [4] * 4 + [0, 0]  # ran out: empty batches while worker 0 has data
     assert results[0]["params"] == results[1]["params"]
     expected = _reference_fit()
     assert max(abs(a - b) for a, b in zip(results[0]["params"], expected, strict=True)) < 1e-6

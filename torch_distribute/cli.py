@@ -21,11 +21,12 @@ import torch
 def _devices(_: argparse.Namespace) -> int:
     from torch_distribute.devices import local_devices
 
-    devices = local_devices()
+    devices = local_devices(logical_cpus=True)
     print(f"torch {torch.__version__}; intra-op threads: {torch.get_num_threads()}")
     print("MirroredStrategy() would use: " + ", ".join(d.name for d in devices))
     if not torch.cuda.is_available():
-        print("No GPU visible: use MirroredStrategy(['cpu:0', 'cpu:1', ...]) for CPU replicas.")
+        print("No GPU visible: use MirroredStrategy(['cpu:0', 'cpu:1', ...]) for CPU replicas "
+              "(or split the CPU with td.config.set_logical_device_configuration).")
     return 0
 
 

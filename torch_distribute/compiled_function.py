@@ -65,7 +65,7 @@ import torch
 
 from torch_distribute import nest
 from torch_distribute.eager import watch_for_compiler
-from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.errors import InputSignatureError, InvalidArgumentError
 from torch_distribute.input.element_spec import TensorSpec
 from torch_distribute.values import DistributedValues
 
@@ -235,16 +235,23 @@ class Function:
         """Check ``args`` against ``input_signature`` and mark its ``None`` dimensions dynamic."""
         signature = self.input_signature or []
         if kwargs or len(args) != len(signature):
-            raise InvalidArgumentError(
+            raise InputSignatureError(
                 f"td.function({self.__name__}) has an input_signature of {len(signature)} positional arguments; "
                 f"it was called with {len(args)} positional and {len(kwargs)} keyword arguments.")
         for position, (spec, value) in enumerate(zip(signature, args, strict=True)):
-            for leaf_spec, leaf in zip(nest.leaves(spec), nest.leaves(value), strict=False):
+            spec_leaves, spec_structure = nest.flatten(spec)
+            value_leaves, value_structure = nest.flatten(value)
+            if spec_structure != value_structure:
+                raise InputSignatureError(
+                    f"td.function({self.__name__}): argument {position} is "
+                    f"{nest.map_structure(lambda _: '*', value)!r} (* a leaf) but its input_signature is "
+                    f"{nest.map_structure(lambda _: '*', spec)!r}: give the arguments the signature's structure.")
+            for leaf_spec, leaf in zip(spec_leaves, value_leaves, strict=True):
                 for tensor in leaf.values if isinstance(leaf, DistributedValues) else (leaf,):
                     if not isinstance(tensor, torch.Tensor) or not leaf_spec.is_compatible_with(tensor):
                         shown = (f"a tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
                                  if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}")
-                        raise InvalidArgumentError(
+                        raise InputSignatureError(
                             f"td.function({self.__name__}): argument {position} does not match its input_signature "
                             f"{leaf_spec}: got {shown}.")
                     for dim, size in enumerate(leaf_spec.shape):

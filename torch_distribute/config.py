@@ -2,7 +2,9 @@
 
 Several replicas on one GPU, as TensorFlow's logical GPUs give them: split the physical GPU,
 then every strategy made afterwards sees the logical GPUs ``cuda:0``, ``cuda:1``, ... (each
-replica on its own CUDA stream; copies, not NCCL, between replicas that share a GPU).
+replica on its own CUDA stream; copies, not NCCL, between replicas that share a GPU). On a
+machine without GPUs, splitting the CPU gives ``MirroredStrategy()`` one replica per logical
+CPU device, as TensorFlow's does (TensorFlow's guides simulate replicas that way).
 
 >>> import torch_distribute as td
 >>> [d.name for d in td.config.list_physical_devices("CPU")]
@@ -102,8 +104,7 @@ def list_physical_devices(device_type: str | None = None) -> list[PhysicalDevice
 def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
     """The devices strategies can use; pass them (or their ``name``) as ``devices=``."""
     wanted = _check_type(device_type)
-    cpus = len(_cpu_configuration) if _cpu_configuration else 1
-    found = [LogicalDevice("cpu", i) for i in range(cpus)]
+    found = [LogicalDevice("cpu", i) for i in range(devices.logical_cpu_count())]
     found += [LogicalDevice("cuda", i, p) for i, p in enumerate(devices.logical_gpu_map())]
     return [d for d in found if wanted in (None, d.device_type)]
 
@@ -141,6 +142,7 @@ def set_logical_device_configuration(device: PhysicalDevice | str,
         if configurations and any(c.memory_limit is not None for c in configurations):
             raise InvalidArgumentError("memory_limit applies to GPUs only: leave it None for CPU devices.")
         _cpu_configuration = configurations
+        devices.split_cpu(len(configurations) if configurations else 1)
         return
     limits = {c.memory_limit for c in configurations} if configurations else {None}
     if len(limits) > 1:

@@ -155,6 +155,12 @@ def _get_default_frame() -> Frame:
     return _default_frame
 
 
+def default_replica_context() -> ReplicaContextLike | None:
+    """The default strategy's single replica context (what is current with nothing pushed,
+    and inside the default strategy's own scope, as in TensorFlow)."""
+    return _get_default_frame().replica_context
+
+
 def push_frame(strategy: StrategyLike, replica_context: ReplicaContextLike | None) -> None:
     _stack.frames.append(Frame(strategy, replica_context))
 

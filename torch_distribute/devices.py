@@ -127,12 +127,37 @@ def canonicalize_all(devices: Sequence[DeviceLike]) -> tuple[LogicalDevice, ...]
     return parsed
 
 
-def local_devices() -> tuple[LogicalDevice, ...]:
-    """Every visible (logical) GPU, else the one CPU device."""
+def local_devices(logical_cpus: bool = False) -> tuple[LogicalDevice, ...]:
+    """Every visible (logical) GPU, else the CPU: every logical CPU device with
+    ``logical_cpus`` (what ``MirroredStrategy()`` takes, as TensorFlow's does), else one.
+
+    >>> split_cpu(2)
+    >>> [d.name for d in local_devices(logical_cpus=True)], [d.name for d in local_devices()]
+    (['cpu:0', 'cpu:1'], ['cpu:0'])
+    >>> split_cpu(1)
+    """
     physical = logical_gpu_map()
     if physical:
         return tuple(LogicalDevice("cuda", i, p) for i, p in enumerate(physical))
-    return (LogicalDevice("cpu", 0),)
+    return tuple(LogicalDevice("cpu", i) for i in range(logical_cpu_count() if logical_cpus else 1))
+
+
+# -- logical CPUs ---------------------------------------------------------------------------
+# The host CPU split into _cpu_split logical devices (td.config.set_logical_device_configuration).
+_cpu_split = 1
+
+
+def split_cpu(count: int) -> None:
+    """Make ``count`` logical CPU devices from now on (1 undoes it)."""
+    global _cpu_split
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InvalidDeviceError(f"The CPU splits into a positive number of logical devices, got {count!r}.")
+    _cpu_split = count
+
+
+def logical_cpu_count() -> int:
+    """How many logical CPU devices ``td.config`` made (1 unless split)."""
+    return _cpu_split
 
 
 def gpu_identity(device: LogicalDevice) -> str:

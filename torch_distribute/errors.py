@@ -31,6 +31,11 @@ class InvalidArgumentError(DistributeError, ValueError):
     """An argument of the wrong kind (``args`` not a tuple, bad batch size, ...)."""
 
 
+class InputSignatureError(InvalidArgumentError, TypeError):
+    """Arguments that do not match a ``td.function``'s ``input_signature`` (a ``TypeError``, as
+    TensorFlow raises for a ``tf.function``)."""
+
+
 class ContextError(DistributeError, RuntimeError):
     """A call made in the wrong context (cross-replica vs replica, or the wrong scope)."""
 

@@ -5,11 +5,25 @@ over the global batch: ``sum(per_example_loss) / global_batch_size``. Then the s
 gradient is exactly the gradient of the mean loss over the whole global batch, as on one
 device.
 
-Always pass ``global_batch_size``. Without it the global batch is guessed as
-``local_batch × num_replicas``, which is wrong on a ragged last batch (7 examples over 2
-replicas: one replica has 4, the other 3; neither 4×2 nor 3×2 is 7) and on empty replicas.
-A call without it that gets fewer rows than an earlier call from the same line of the
-program (under the same strategy) warns once, naming the number to pass.
+What holds, exactly:
+
+- With ``global_batch_size=G`` (a constant), every step gives what one device gives running
+  the same call, ``sum(per_example_loss) / G``, on the step's whole global batch. On a full
+  batch that is the batch's mean. On a ragged last batch of ``b < G`` rows it is the mean
+  times ``b / G``: that step's update is ``b / G`` of a mean-loss update (drop the last batch,
+  ``DataLoader(..., drop_last=True)``, if that matters).
+- Without ``global_batch_size``, the global batch is guessed as this replica's rows times
+  ``num_replicas_in_sync`` (TensorFlow's rule): the mean over the step's batch when the
+  replicas' rows are equal, which the batch split gives whenever the rows divide evenly. When
+  they do not (7 rows over 3 replicas: 3, 3 and 1), the replicas' examples weigh differently
+  and the gradient differs from one device's: a warning says so, once per calling line. When
+  the batch came from a distributed dataset in an eager step, the warning appears exactly
+  when the guess differs from the step's global rows; otherwise (a batch built by hand), when
+  a call gets fewer rows than an earlier call from the same line.
+- A ``global_batch_size`` smaller than the step's global batch (a dataset batched per replica
+  or per worker while ``G`` counts the global batch) would weigh every example more than one
+  device does: in an eager step whose batch came from a distributed dataset, that raises
+  ``td.LossScalingError`` naming both numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +37,8 @@ from typing import Any
 import torch
 
 from torch_distribute import context
-from torch_distribute.errors import ContextError, InvalidArgumentError
+from torch_distribute.errors import ContextError, InvalidArgumentError, LossScalingError
+from torch_distribute.input import step_rows
 
 
 def _require_replica_context(name: str) -> context.ReplicaContextLike:
@@ -57,9 +72,15 @@ def compute_average_loss(
         )
     if sample_weight is not None:
         loss = loss * _align_weight(torch.as_tensor(sample_weight, dtype=loss.dtype, device=loss.device), loss)
+    # The step's rows, when its batch came from a distributed dataset and this loss has one
+    # value per row of this replica's batch (eager steps: a compiled one does not look).
+    rows = None if torch.compiler.is_compiling() else _step_rows_of(replica, loss)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
-        if not torch.compiler.is_compiling():
+        if rows is not None:
+            if global_batch_size != rows.global_rows:
+                _GUESSES.warn_inexact(replica, loss.shape[0], rows.global_rows, inspect.currentframe())
+        elif not torch.compiler.is_compiling():
             _GUESSES.record(replica, loss.shape[0], inspect.currentframe())
     elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
         if isinstance(global_batch_size, torch.Tensor) and global_batch_size.dim() == 0 and not global_batch_size.is_floating_point():
@@ -70,10 +91,42 @@ def compute_average_loss(
             )
     if global_batch_size < 0:
         raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}.")
+    if rows is not None:
+        if global_batch_size < rows.global_rows:
+            raise LossScalingError(_too_small(global_batch_size, rows.global_rows, replica))
+        _SHORT_STEPS.note(rows, global_batch_size, inspect.currentframe())
     total = loss.sum()
     if global_batch_size == 0:
         return total * 0.0
     return total / global_batch_size
+
+
+def _step_rows(replica: context.ReplicaContextLike) -> step_rows.StepRows | None:
+    return step_rows.current() if replica.num_replicas_in_sync > 1 else None
+
+
+def _step_rows_of(replica: context.ReplicaContextLike, loss: torch.Tensor) -> step_rows.StepRows | None:
+    """The step's rows if ``loss`` has one value per row of this replica's batch."""
+    rows = _step_rows(replica)
+    if rows is None:
+        return None
+    local = replica.local_replica_id
+    if not 0 <= local < len(rows.replica_rows) or rows.replica_rows[local] != loss.shape[0]:
+        return None
+    return rows
+
+
+def _too_small(global_batch_size: int, global_rows: int, replica: context.ReplicaContextLike) -> str:
+    return (
+        f"compute_average_loss(global_batch_size={global_batch_size}) on a step whose batches hold "
+        f"{global_rows} rows over all {replica.num_replicas_in_sync} replicas: every example would "
+        f"weigh 1/{global_batch_size} instead of at most 1/{global_rows}, a gradient "
+        f"{global_rows / global_batch_size:g} times one device's. Either global_batch_size is not "
+        "the global batch (it counts the rows of one step over every replica and worker), or the "
+        "dataset is batched by more than the global batch: experimental_distribute_dataset takes "
+        "batches of the global batch size under every shard policy, and a dataset made by "
+        "distribute_datasets_from_function batches by ctx.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)."
+    )
 
 
 class _GuessedBatchSizes:
@@ -108,16 +161,91 @@ class _GuessedBatchSizes:
             f"td.compute_average_loss() without global_batch_size got {rows} rows on replica "
             f"{replica.replica_id_in_sync_group}, fewer than the {largest} of an earlier batch "
             f"({site[0]}:{site[1]}): the global batch is guessed as rows × replicas = "
-            f"{rows} × {replicas} = {rows * replicas}, so the examples of this smaller (last) batch "
-            f"weigh more than the others and the gradient differs from one device's. Pass the "
-            f"dataset's global batch size: compute_average_loss(..., global_batch_size="
-            f"{largest * replicas}) ({largest} rows × {replicas} replicas).",
+            f"{rows} × {replicas} = {rows * replicas}, which is this step's global batch only if every "
+            f"replica got {rows} rows; if the replicas got different numbers, their examples weigh "
+            f"differently and the gradient differs from one device's mean. Pass "
+            f"global_batch_size={largest * replicas} (the global batch: {largest} rows × {replicas} "
+            f"replicas; one device running the same call then gives the same result, the last batch "
+            f"weighing by its rows), or feed the step from strategy.experimental_distribute_dataset, "
+            f"whose steps tell compute_average_loss their global rows.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+    def warn_inexact(self, replica: context.ReplicaContextLike, rows: int, global_rows: int, frame: Any) -> None:
+        """The guess ``rows × replicas`` is not the step's ``global_rows``: warn once per line."""
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with self._lock:
+            try:
+                per_site = self._largest.setdefault(replica.strategy, {})
+            except TypeError:
+                return
+            if per_site.get(site) == self._WARNED:
+                return
+            per_site[site] = self._WARNED
+        replicas = replica.num_replicas_in_sync
+        warnings.warn(
+            f"td.compute_average_loss() without global_batch_size got {rows} rows on replica "
+            f"{replica.replica_id_in_sync_group} ({site[0]}:{site[1]}): the global batch is guessed as "
+            f"rows × replicas = {rows} × {replicas} = {rows * replicas}, but this step's global batch "
+            f"has {global_rows} rows (split unevenly over the replicas), so the examples of different "
+            f"replicas weigh differently and the gradient differs from one device's mean. Pass "
+            f"global_batch_size=GLOBAL_BATCH_SIZE (the dataset's; one device running the same call "
+            f"then gives the same result), or use a global batch size divisible by {replicas}.",
             UserWarning,
             stacklevel=3,
         )
 
 
 _GUESSES = _GuessedBatchSizes()
+
+
+class _ShortSteps:
+    """Steps whose global batch held fewer rows than ``global_batch_size`` and that turned out
+    not to be the last of their epoch (a later step of the same iteration came): their
+    examples weighed less than one device's mean gives them. Warned once per calling line."""
+
+    _KEPT = 16  # iterations with a short step remembered (older ones ended: a last batch)
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[int, int, int]] = {}  # iteration -> (step, G, rows)
+        self._warned: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def note(self, rows: step_rows.StepRows, global_batch_size: int, frame: Any) -> None:
+        caller = frame.f_back if frame is not None else None
+        site = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else ("?", 0)
+        with self._lock:
+            pending = self._pending.get(rows.iteration)
+            warn = pending is not None and pending[0] < rows.step and site not in self._warned
+            if pending is not None and pending[0] < rows.step:
+                del self._pending[rows.iteration]
+            if warn:
+                self._warned.add(site)
+            if global_batch_size > rows.global_rows:
+                self._pending[rows.iteration] = (rows.step, global_batch_size, rows.global_rows)
+                while len(self._pending) > self._KEPT:
+                    del self._pending[min(self._pending)]
+        if warn and pending is not None:
+            step, size, held = pending
+            warnings.warn(
+                f"td.compute_average_loss(global_batch_size={size}) ({site[0]}:{site[1]}) at step {step} "
+                f"of this epoch, whose batches held {held} rows over all replicas and workers, and the "
+                f"epoch went on: that step's examples weighed 1/{size} instead of 1/{held}, a gradient "
+                f"{held / size:g} times one device's mean over the step. Every step but an epoch's last "
+                f"should hold global_batch_size rows: batch the dataset by the global batch size (under "
+                f"every shard policy, a DataLoader with a DistributedSampler under AutoShardPolicy.OFF "
+                f"included), or pass the global batch size the dataset is batched by.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+_SHORT_STEPS = _ShortSteps()
 
 
 def _align_weight(weight: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ class DistributedValues:
     (1, 2)
     """
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "__weakref__")
 
     def __init__(self, values: Sequence[Any]):
         self._values = tuple(values)

@@ -2,8 +2,9 @@
 
     python input_api_job.py
 
-Worker ``w`` reads its own share (``td.data.with_options``, ``AutoShardPolicy.OFF``): worker
-0 has 3 batches, worker 1 has 2. It prints one ``MWRESULT`` line with what
+Worker ``w`` reads its own data (``td.data.with_options``, ``AutoShardPolicy.OFF``), batched
+by the global batch of 8 as TensorFlow has it: each batch makes two steps of 4 rows on each
+worker. Worker 0 has 3 batches, worker 1 has 2. It prints one ``MWRESULT`` line with what
 ``get_next_as_optional`` gave at each call, the rows it got, how many times the workers
 agreed on the data, and the parameters ``fit`` trained on each worker's own rows.
 """
@@ -20,7 +21,7 @@ import mw_helpers as H  # noqa: E402
 
 import torch_distribute as td  # noqa: E402
 
-ROWS = 4  # each worker's share of a global batch of 8
+ROWS = 8  # a global batch: each worker's steps take 4 of its rows
 
 
 def share(worker: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -42,7 +43,8 @@ def own_policy(dataset: list) -> td.data.DatasetWithOptions:
 def ddp_sampler_habit(strategy: td.MultiWorkerMirroredStrategy) -> tuple[str, int]:
     """A DDP loader, ``DistributedSampler(dataset)`` (its shard from the process group), given to
     experimental_distribute_dataset: the error; then the same loader declared as this worker's
-    share (AutoShardPolicy.OFF): the rows this worker reads in an epoch."""
+    share (AutoShardPolicy.OFF, batched by the global batch of 2): the rows this worker reads in
+    an epoch."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     examples = TensorDataset(torch.arange(16.0).reshape(8, 2))
@@ -61,18 +63,18 @@ def main() -> None:
     strategy = td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=30))
     rank = strategy.extended.worker_index
     agreements = []
-    agree = strategy.extended.any_worker_has_data
+    agree = strategy.extended.gather_input_reports
 
-    def counted(has_data: bool) -> bool:
-        agreements.append(has_data)
-        return agree(has_data)
+    def counted(report):
+        agreements.append(report.has_data)
+        return agree(report)
 
     dataset = td.input.DistributedDataset(
         own_policy(share(rank, 3 - rank)), list(strategy.extended.replica_devices),
-        num_workers=2, worker_index=rank, sync_has_data=counted)
+        num_workers=2, worker_index=rank, sync_step=counted)
     iterator = iter(dataset)
     has_value, local_rows = [], []
-    for _ in range(5):
+    for _ in range(8):
         optional = iterator.get_next_as_optional()
         has_value.append(optional.has_value())
         if optional.has_value():

@@ -3,9 +3,10 @@
     python uneven_job.py MODE COUNTS [--timeout S] [--bench N] [--no-verify]
 
 ``MODE`` is how the input is distributed: ``data`` (``experimental_distribute_dataset`` of
-a *sized* list of global batches, ``AutoShardPolicy.DATA``), ``off`` (each worker's own
-share, ``AutoShardPolicy.OFF``) or ``function`` (``distribute_datasets_from_function``,
-each worker its own batches). ``COUNTS`` is the number of batches of each worker
+a *sized* list of global batches, ``AutoShardPolicy.DATA``), ``off`` (each worker reads its
+own list of global batches, ``AutoShardPolicy.OFF``: each batch makes two steps of half its
+rows, TensorFlow's rule) or ``function`` (``distribute_datasets_from_function``, each worker
+its own batches). ``COUNTS`` is the number of batches of each worker
 (``"20,17"``): worker ``w`` has the first ``COUNTS[w]`` batches of one sequence
 (``batches``), so the workers agree on the batches they share and differ in how many.
 
@@ -13,7 +14,7 @@ Every worker trains a linear model with SGD (loss = per-example squared error su
 the worker's rows, divided by the global batch size, as ``td.compute_average_loss`` does)
 over the whole dataset and prints one ``MWRESULT`` line: its rank, the steps it ran, the
 rows it trained on at each step and its final parameters. With ``--bench N`` it also times
-N calls of ``extended.any_worker_has_data`` (the per-step agreement) and N training steps.
+N calls of ``extended.gather_input_reports`` (the per-step agreement) and N training steps.
 """
 
 from __future__ import annotations
@@ -90,8 +91,7 @@ def main() -> None:
         dataset = strategy.distribute_datasets_from_function(dataset_fn)
     else:
         policy = td.AutoShardPolicy.DATA if args.mode == "data" else td.AutoShardPolicy.OFF
-        rows = GLOBAL_BATCH if args.mode == "data" else GLOBAL_BATCH // workers
-        mine = batches(counts[rank], rows)  # a list: a sized dataset
+        mine = batches(counts[rank])  # a list of global batches: a sized dataset
         dataset = strategy.experimental_distribute_dataset(
             mine, options=td.InputOptions(auto_shard_policy=policy))
 
@@ -113,10 +113,11 @@ def main() -> None:
 
     if args.bench:
         # The per-step agreement alone, then whole steps on one fixed batch (with it).
-        strategy.extended.any_worker_has_data(True)
+        report = td.input.step_agreement.StepReport(True, GLOBAL_BATCH // workers, 0)
+        strategy.extended.gather_input_reports(report)
         t0 = time.perf_counter()
         for _ in range(args.bench):
-            strategy.extended.any_worker_has_data(True)
+            strategy.extended.gather_input_reports(report)
         result["agree_us"] = (time.perf_counter() - t0) / args.bench * 1e6
         # What the agreement is made of: one all-reduce of one integer (gloo), without the
         # library's check that every worker makes the same collective.

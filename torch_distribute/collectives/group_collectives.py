@@ -29,7 +29,7 @@ _log = get_logger("collectives")
 class GroupCollectives:
     """The collectives between the workers, with ``WorkerGroup``'s signatures.
 
-    Public surface: ``any_true``, ``all_reduce_``, ``broadcast_``, ``all_gather_objects``,
+    Public surface: ``any_true``, ``gather_small``, ``all_reduce_``, ``broadcast_``, ``all_gather_objects``,
     ``all_gather_along``, ``broadcast_packed_``, ``average_packed_`` and
     ``all_reduce_async`` (finished with ``FailureDiagnosis.wait``).
 
@@ -53,6 +53,20 @@ class GroupCollectives:
             return bool(mine[0] > 0)
         agreement = self._agreement.start_exchange("any_true", what, None, None, b"\x01" if flag else b"\x00")
         return any(payload[0] for payload in self._agreement.finish_exchange(agreement))
+
+    def gather_small(self, payload: bytes, what: str) -> list[bytes]:
+        """Every worker's ``payload`` (at most ``exchange.PAYLOAD_BYTES``), in rank order, each
+        zero-padded to that size: one collective, the fingerprint included."""
+        if len(payload) > exchange.PAYLOAD_BYTES:
+            raise ValueError(f"gather_small carries at most {exchange.PAYLOAD_BYTES} bytes, got {len(payload)}.")
+        if self._agreement.verifies:
+            agreement = self._agreement.start_exchange("gather_small", what, None, None, payload)
+            return self._agreement.finish_exchange(agreement)
+        self._agreement.count()
+        mine = exchange.pack(b"", payload)[: exchange.SMALL]
+        everyone = [torch.empty_like(mine) for _ in range(self._member.world_size)]
+        self._diagnosis.wait(what, lambda: dist.all_gather(everyone, mine, group=self._groups.main, async_op=True))
+        return [row.numpy().tobytes() for row in everyone]
 
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                     what: str = "all_reduce") -> torch.Tensor:

@@ -186,6 +186,11 @@ class WorkerGroup:
         """Whether ``flag`` is true on any worker: one collective, the fingerprint included."""
         return self._collectives.any_true(flag, what)
 
+    def gather_small(self, payload: bytes, what: str) -> list[bytes]:
+        """Every worker's small ``payload`` (64 bytes at most), in rank order, zero-padded:
+        one collective, the fingerprint included."""
+        return self._collectives.gather_small(payload, what)
+
     def all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
         """In-place SUM (or ``op``) over workers of a tensor on a backend-compatible device."""
         return self._collectives.all_reduce_(tensor, op, what)

@@ -1,6 +1,7 @@
 """Distributed input: split global batches across replicas, or one pipeline per replica."""
 
 from torch_distribute.input import dataset_options as data
+from torch_distribute.input import step_agreement, step_rows
 from torch_distribute.input.batching import batch_sizes_for_worker
 from torch_distribute.input.distributed_dataset import (
     DatasetFromFunction,
@@ -30,4 +31,6 @@ __all__ = [
     "ValueContext",
     "batch_sizes_for_worker",
     "data",
+    "step_agreement",
+    "step_rows",
 ]

@@ -11,6 +11,8 @@ takes precedence.
 >>> ds = td.data.with_options([torch.ones(4, 2)], options)
 >>> ds.options().experimental_distribute.auto_shard_policy
 <AutoShardPolicy.OFF: 'OFF'>
+>>> td.data.experimental.AutoShardPolicy is td.data.AutoShardPolicy   # tf.data.experimental's name
+True
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from torch_distribute.errors import DatasetError, InvalidArgumentError
 from torch_distribute.input.input_context import AutoShardPolicy
 
-__all__ = ["AutoShardPolicy", "DatasetWithOptions", "DistributeOptions", "Options", "options_of",
+__all__ = ["AutoShardPolicy", "DatasetWithOptions", "DistributeOptions", "Options", "experimental", "options_of",
            "resolve_shard_policy", "unwrapped", "with_options"]
 
 
@@ -51,6 +54,10 @@ class Options:
         if policy is not None:
             merged.experimental_distribute.auto_shard_policy = policy
         return merged
+
+
+#: ``tf.data.experimental``'s names that ports use: ``td.data.experimental.AutoShardPolicy``.
+experimental = SimpleNamespace(AutoShardPolicy=AutoShardPolicy, DistributeOptions=DistributeOptions)
 
 
 def _checked(options: Any) -> Options:

@@ -1,36 +1,40 @@
 """Distributed datasets: every step, one batch per replica, as ``PerReplica``.
 
 ``DistributedDataset`` takes an iterable of *global* batches (a ``DataLoader``, a list, a
-generator; tensors, NumPy arrays, tuples, dicts) and cuts each along dim 0 into per-replica
-batches whose sizes differ by at most one, each moved to its replica's device. When a last
-batch has fewer rows than replicas, the replicas without rows get an *empty* batch (first
-dimension 0) so the step still runs on every replica and the summed loss equals one
-device's. ``DatasetFromFunction`` feeds each replica its own consecutive elements of the
-worker's dataset, or with ``InputReplicationMode.PER_REPLICA`` the elements of its own dataset
-(the dataset function is then called once per replica).
+generator; tensors, NumPy arrays, tuples, dicts) and cuts each into per-replica batches as
+TensorFlow 2.21 does (``rebatch.py``: ``ceil(rows / replicas)`` rows each, in order, the last
+replicas smaller or empty), each moved to its replica's device. ``DatasetFromFunction`` feeds
+each replica its own consecutive elements of the worker's dataset, or with
+``InputReplicationMode.PER_REPLICA`` the elements of its own dataset (the dataset function is
+then called once per replica).
 
 ``InputOptions.experimental_per_replica_buffer_size`` steps are read ahead of the step handed
-out (``prefetch.py``); ``get_next_as_optional()`` ends with an empty ``Optional`` instead of
-``StopIteration``; ``element_spec`` describes one replica's batch.
+out (``prefetch.py``); ``get_next_as_optional()`` ends with an empty ``Optional`` and
+``get_next()`` with ``td.OutOfRangeError`` (``next()`` with ``StopIteration``);
+``element_spec`` describes one replica's batch.
 
 Across workers (``InputOptions.auto_shard_policy``, else the dataset's own from
-``td.data.with_options``, else AUTO): DATA — every worker reads the same
-global batches and keeps its rows; FILE — a dataset with ``shard(num_shards, index)`` gives
-each worker its own files, whose batches are that worker's share; OFF — each worker's
-dataset is already its share (sharded by the user); AUTO — FILE when the dataset can shard
-itself, else DATA.
+``td.data.with_options``, else AUTO), the dataset is batched by the global batch size under
+every policy, as in TensorFlow: DATA — every worker reads the same global batches and keeps its
+pieces of each; FILE — a dataset with ``shard(num_shards, index)`` gives each worker its own
+files; OFF — each worker reads its whole dataset; AUTO — FILE when the dataset can shard
+itself, else DATA. Under FILE and OFF a worker's global batch makes ``num_workers`` steps of
+``global batch / num_replicas_in_sync`` rows per replica (``rebatch.py``).
 
 Workers with different amounts of data stop together, under every policy (TensorFlow's
 partial-batch handling, which multi-worker strategies always use): at every step the
-workers agree whether any of them still has data (``sync_has_data``, the strategy's
-``extended.any_worker_has_data``: one small collective). While any has, every
+workers exchange a small report (``step_agreement.py``: whether each still has data, its rows,
+and under DATA in the first steps a digest of the global batch it read) through the
+strategy's ``extended.gather_input_reports``: one small collective. While any has data, every
 worker runs the step, those without data on an *empty* batch (first dimension 0, the
 structure and dtypes of their earlier batches), which adds nothing to a summed loss or
-gradient; when none has, ``StopIteration`` ends the epoch on every worker at the same
-step. The agreement is never skipped across workers: even DATA sharding of a sized dataset
-cannot prove that every worker's dataset has the same length (each worker builds its own),
-and a worker that stopped alone would leave the others waiting in their next collective.
-With one worker ``any_worker_has_data`` is the local answer and costs nothing.
+gradient; when none has, ``StopIteration`` ends the epoch on every worker at the same step.
+The same reports turn two silent mistakes into errors on every worker: a worker without any
+data at the first step (a FILE shard without files), and DATA workers whose loaders shuffle
+differently. The agreement is never skipped across workers: even DATA sharding of a sized
+dataset cannot prove that every worker's dataset has the same length (each worker builds its
+own), and a worker that stopped alone would leave the others waiting in their next collective.
+With one worker the report is the local one and costs nothing.
 """
 
 from __future__ import annotations
@@ -42,12 +46,16 @@ from typing import Any, TypeGuard
 import torch
 
 from torch_distribute import context
-from torch_distribute.errors import ContextError, DatasetError, InvalidArgumentError
+from torch_distribute.errors import (
+    ContextError,
+    DatasetError,
+    InvalidArgumentError,
+    OutOfRangeError,
+)
+from torch_distribute.input import rebatch, step_agreement, step_rows
 from torch_distribute.input.batching import (
     batch_dim,
-    batch_sizes_for_worker,
     empty_like_batch,
-    split_batch,
     to_device,
     to_tensors,
 )
@@ -60,15 +68,28 @@ from torch_distribute.input.input_context import (
     InputReplicationMode,
 )
 from torch_distribute.input.optional import Optional
-from torch_distribute.input.prefetch import DeviceFeeder, StepBuffer, default_buffer_size
+from torch_distribute.input.prefetch import DeviceFeeder, LocalStep, StepBuffer, default_buffer_size
 from torch_distribute.input.sharding_sampler import refuse_sharding_sampler
+from torch_distribute.input.step_agreement import StepReport
 from torch_distribute.values import regroup
 
 _NO_DATA_AT_ALL = (
-    "This worker's dataset produced no batch at all while other workers still have data, so "
-    "it cannot make an empty batch of the right structure to take part in their steps. Give "
+    "This worker's dataset ran out before its first batch while other workers still have data, "
+    "so it cannot make an empty batch of the right structure to take part in their steps. Give "
     "every worker at least one batch."
 )
+
+#: What ``DistributedDataset`` and ``DatasetFromFunction`` call at every step: every worker's
+#: report of the step, in worker order (``extended.gather_input_reports`` across workers).
+SyncStep = Callable[[StepReport], Sequence[StepReport]]
+
+
+def _alone(report: StepReport) -> list[StepReport]:
+    return [report]
+
+
+def _rows(pieces: list[Any]) -> int:
+    return sum(batch_dim(piece) for piece in pieces)
 
 
 def _refuse_in_replica_context() -> None:
@@ -86,11 +107,11 @@ class _DistributedIterable:
         self,
         devices: list[torch.device],
         options: InputOptions | None,
-        sync_has_data: Callable[[bool], bool],
+        sync_step: SyncStep,
     ):
         self._devices = list(devices)
         self._options = options or InputOptions()
-        self._sync_has_data = sync_has_data
+        self._sync_step = sync_step
         size = self._options.experimental_per_replica_buffer_size
         fetch = self._options.experimental_fetch_to_device
         self.buffer_size = default_buffer_size(self._devices, fetch) if size is None else size
@@ -99,28 +120,41 @@ class _DistributedIterable:
     def num_local_replicas(self) -> int:
         return len(self._devices)
 
-    def _iterator(self, read_step: Callable[[], list[Any] | None], description: str) -> DistributedIterator:
-        """Steps from ``read_step`` (one step's per-replica batches, ``None`` at this worker's end).
+    def _iterator(self, read_step: Callable[[], LocalStep | None], description: str,
+                  policy: AutoShardPolicy | None = None) -> DistributedIterator:
+        """Steps from ``read_step`` (one step's ``LocalStep``, ``None`` at this worker's end).
 
-        ``buffer_size`` steps are read ahead; the workers agree at every step whether any has
-        data, and those without get empty batches (see the module's docstring).
+        ``buffer_size`` steps are read ahead; the workers exchange their reports at every step
+        and those without data get empty batches (see the module's docstring).
         """
         feeder = DeviceFeeder(self._devices, self._options.experimental_fetch_to_device,
                               side_streams=self.buffer_size > 0)
         buffer = StepBuffer(read_step, feeder, self.buffer_size)
         empties: list[Any] = []
+        steps = [0]
+        iteration = step_rows.new_iteration()
 
         def next_step() -> Any:
-            pieces = buffer.take()
-            if not self._sync_has_data(pieces is not None):
+            local = buffer.take()
+            report = (StepReport(False, 0, 0) if local is None
+                      else StepReport(True, _rows(local.pieces), local.digest))
+            step = steps[0]
+            global_rows = step_agreement.conclude(self._sync_step(report), step, policy)
+            steps[0] += 1
+            if global_rows is None:
                 raise StopIteration
-            if pieces is None:
+            if local is None:
                 if not empties:
                     raise DatasetError(_NO_DATA_AT_ALL)
                 pieces = empties
-            elif not empties:
-                empties.extend(empty_like_batch(p) for p in pieces)
-            return regroup(pieces, always_wrap=True)
+            else:
+                pieces = local.pieces
+                if not empties:
+                    empties.extend(empty_like_batch(p) for p in pieces)
+            batch = regroup(pieces, always_wrap=True)
+            step_rows.record(batch, step_rows.StepRows(tuple(batch_dim(p) for p in pieces), global_rows,
+                                                       iteration, step))
+            return batch
 
         def element_spec() -> Any:
             pieces = buffer.peek() or empties
@@ -170,7 +204,15 @@ class DistributedIterator:
         return value
 
     def get_next(self) -> Any:
-        return next(self)
+        """The next step's batches; ``td.OutOfRangeError`` at the end of the data (TensorFlow's
+        ``get_next``; ``next(iterator)`` raises ``StopIteration``, as in TensorFlow)."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError(
+                f"End of sequence: the iterator of {self._description} has no more data "
+                "(use get_next_as_optional() to test for the end without an exception)."
+            ) from None
 
     def get_next_as_optional(self) -> Optional:
         """The next step's batches as an ``Optional``, empty at the end of the data (no ``StopIteration``).
@@ -202,7 +244,7 @@ class DistributedDataset(_DistributedIterable):
         num_workers: int = 1,
         worker_index: int = 0,
         options: InputOptions | None = None,
-        sync_has_data: Callable[[bool], bool] = lambda has: has,
+        sync_step: SyncStep = _alone,
     ):
         inner = unwrapped(dataset)
         if isinstance(inner, torch.utils.data.Dataset) and not isinstance(
@@ -218,7 +260,7 @@ class DistributedDataset(_DistributedIterable):
                 f"experimental_distribute_dataset needs an iterable of global batches, got "
                 f"{type(dataset).__name__}."
             )
-        super().__init__(devices, options, sync_has_data)
+        super().__init__(devices, options, sync_step)
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
             raise InvalidArgumentError(
                 "InputReplicationMode.PER_REPLICA is only supported by "
@@ -231,11 +273,12 @@ class DistributedDataset(_DistributedIterable):
         refuse_sharding_sampler(inner, requested, num_workers, worker_index)
         # The call's policy first, then the dataset's own (td.data.with_options), then AUTO.
         self._policy = resolve_shard_policy(dataset, self._options.auto_shard_policy, num_workers)
+        self._global_batch_size = rebatch.loader_batch_size(inner)
         if self._policy is AutoShardPolicy.FILE:
             dataset = dataset.shard(num_workers, worker_index)  # type: ignore[attr-defined]
-        # Every step the workers agree whether any still has data (see the module's
-        # docstring): even with DATA sharding of a sized dataset the lengths may differ, as
-        # each worker builds its own dataset.
+        # Every step the workers exchange their reports (see the module's docstring): even
+        # with DATA sharding of a sized dataset the lengths may differ, as each worker builds
+        # its own dataset.
         self._dataset = dataset
         self._peekable = PeekableSource(dataset)
 
@@ -261,36 +304,66 @@ class DistributedDataset(_DistributedIterable):
         """The iterable of global batches this dataset splits (after file sharding)."""
         return self._dataset
 
+    def _reads_own_batches(self) -> bool:
+        """Whether each worker cuts its own batches into steps (OFF and FILE across workers)."""
+        return self._num_workers > 1 and self._policy is not AutoShardPolicy.DATA
+
     def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]
+        """Steps per epoch on this worker: the dataset's batches, or under OFF and FILE across
+        workers the steps its batches make (from a list's batches or a ``DataLoader``'s
+        sampler; other datasets are assumed to give full global batches: ``num_workers``
+        steps each)."""
+        batches = len(self._dataset)  # type: ignore[arg-type]
+        if not self._reads_own_batches():
+            return batches
+        rows = self._own_batch_rows()
+        if rows is None:
+            return batches * self._num_workers
+        size = self._global_batch_size or (rows[0] if rows else 1)
+        return rebatch.steps_for_own_rows(rows, size, self._num_workers, self.num_local_replicas,
+                                          self._worker_index)
+
+    def _own_batch_rows(self) -> list[int] | None:
+        """The rows of each of this worker's batches, where known without reading data."""
+        inner = unwrapped(self._dataset)
+        if isinstance(inner, (list, tuple)):
+            return [batch_dim(to_tensors(batch)) for batch in inner]
+        size = self._global_batch_size
+        sampler = getattr(inner, "sampler", None)
+        if size and isinstance(inner, torch.utils.data.DataLoader) and hasattr(sampler, "__len__"):
+            examples = len(sampler)  # type: ignore[arg-type]
+            full, left = divmod(examples, size)
+            return [size] * full + ([left] if left and not inner.drop_last else [])
+        return None
 
     def __iter__(self) -> DistributedIterator:
-        source = iter(self._peekable)
-
-        def read_step() -> list[Any] | None:
-            try:
-                batch = to_tensors(next(source))
-            except StopIteration:
-                return None
-            return split_batch(*self._local_rows(batch))
-
-        return self._iterator(read_step, "experimental_distribute_dataset")
-
-    def _local_rows(self, batch: Any) -> tuple[Any, list[int]]:
-        """This worker's rows of a batch and how they split over its replicas.
-
-        DATA: the batch is global; this worker keeps its rows (TF's batch_sizes_for_worker).
-        OFF / FILE: the batch is already this worker's share; it is split over the replicas.
-        """
+        source = (to_tensors(batch) for batch in self._peekable)
         replicas = self.num_local_replicas
-        rows = batch_dim(batch)
-        if self._policy is not AutoShardPolicy.DATA:
-            return batch, batch_sizes_for_worker(rows, 1, replicas, 0)
-        sizes = batch_sizes_for_worker(rows, self._num_workers, replicas, 0)
-        start = sum(sizes[: self._worker_index * replicas])
-        mine = sizes[self._worker_index * replicas:(self._worker_index + 1) * replicas]
-        rest = rows - start - sum(mine)
-        return split_batch(batch, [start, sum(mine), rest])[1], mine
+        if self._reads_own_batches():
+            steps = rebatch.own_batches_by_step(source, self._global_batch_size, self._num_workers,
+                                                replicas, self._worker_index)
+
+            def read_own_step() -> LocalStep | None:
+                pieces = next(steps, None)
+                if pieces is None:
+                    return None
+                empty = empty_like_batch(pieces[0])
+                return LocalStep(pieces + [empty] * (replicas - len(pieces)))
+
+            return self._iterator(read_own_step, "experimental_distribute_dataset", self._policy)
+
+        compare = self._num_workers > 1  # DATA: the workers must read the same global batches
+        read = [0]
+
+        def read_global_step() -> LocalStep | None:
+            batch = next(source, None)
+            if batch is None:
+                return None
+            read[0] += 1
+            digest = step_agreement.batch_digest(batch) if compare and read[0] <= step_agreement.DIGESTED_STEPS else 0
+            return LocalStep(rebatch.data_shard(batch, self._num_workers, replicas, self._worker_index), digest)
+
+        return self._iterator(read_global_step, "experimental_distribute_dataset", self._policy)
 
 
 def _is_iterable(candidate: object) -> TypeGuard[Iterable[object]]:
@@ -307,11 +380,11 @@ class DatasetFromFunction(_DistributedIterable):
         dataset: Iterable[Any] | None,
         devices: list[torch.device],
         options: InputOptions | None = None,
-        sync_has_data: Callable[[bool], bool] = lambda has: has,
+        sync_step: SyncStep = _alone,
         *,
         replica_datasets: Sequence[Iterable[Any]] | None = None,
     ):
-        super().__init__(devices, options, sync_has_data)
+        super().__init__(devices, options, sync_step)
         self._per_replica = self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
         if self._per_replica:
             if replica_datasets is None or dataset is not None:
@@ -354,7 +427,7 @@ class DatasetFromFunction(_DistributedIterable):
         replica_id_offset: int = 0,
         num_replicas_in_sync: int | None = None,
         options: InputOptions | None = None,
-        sync_has_data: Callable[[bool], bool] = lambda has: has,
+        sync_step: SyncStep = _alone,
     ) -> DatasetFromFunction:
         """Call ``dataset_fn`` once per worker, or once per replica with PER_REPLICA.
 
@@ -373,12 +446,12 @@ class DatasetFromFunction(_DistributedIterable):
         total = num_replicas_in_sync if num_replicas_in_sync is not None else replicas * num_workers
         if options.experimental_replication_mode is InputReplicationMode.PER_WORKER:
             dataset = dataset_fn(InputContext(num_workers, worker_index, total))
-            return cls(dataset, devices, options, sync_has_data)
+            return cls(dataset, devices, options, sync_step)
         datasets = []
         for k, device in enumerate(devices):
             with _dataset_device(options, device):
                 datasets.append(dataset_fn(InputContext(total, replica_id_offset + k, total)))
-        return cls(None, devices, options, sync_has_data, replica_datasets=datasets)
+        return cls(None, devices, options, sync_step, replica_datasets=datasets)
 
     def __len__(self) -> int:
         if self._per_replica:
@@ -401,10 +474,10 @@ class DatasetFromFunction(_DistributedIterable):
         read_step = self._read_per_replica() if self._per_replica else self._read_per_worker()
         return self._iterator(read_step, "distribute_datasets_from_function")
 
-    def _read_per_worker(self) -> Callable[[], list[Any] | None]:
+    def _read_per_worker(self) -> Callable[[], LocalStep | None]:
         source = iter(self._sources[0])
 
-        def read_step() -> list[Any] | None:
+        def read_step() -> LocalStep | None:
             elements = []
             for _ in range(self.num_local_replicas):
                 try:
@@ -416,16 +489,16 @@ class DatasetFromFunction(_DistributedIterable):
             if not elements:
                 return None
             empty = empty_like_batch(elements[0])
-            return elements + [empty] * (self.num_local_replicas - len(elements))
+            return LocalStep(elements + [empty] * (self.num_local_replicas - len(elements)))
 
         return read_step
 
-    def _read_per_replica(self) -> Callable[[], list[Any] | None]:
+    def _read_per_replica(self) -> Callable[[], LocalStep | None]:
         sources = [iter(source) for source in self._sources]
         ended = [False] * len(sources)
         template: list[Any] = []
 
-        def read_step() -> list[Any] | None:
+        def read_step() -> LocalStep | None:
             elements: list[Any] = [None] * len(sources)
             for k, (source, device) in enumerate(zip(sources, self._devices, strict=True)):
                 if ended[k]:
@@ -443,8 +516,8 @@ class DatasetFromFunction(_DistributedIterable):
             if all(element is None for element in elements):
                 return None
             place = self._options.experimental_place_dataset_on_device
-            return [element if element is not None else (to_device(template[0], device) if place else template[0])
-                    for element, device in zip(elements, self._devices, strict=True)]
+            return LocalStep([element if element is not None else (to_device(template[0], device) if place else template[0])
+                              for element, device in zip(elements, self._devices, strict=True)])
 
         return read_step
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,41 +64,48 @@ class DeviceFeeder:
         return pieces
 
 
+class LocalStep(NamedTuple):
+    """One step's batches of this worker's replicas, in replica order, and the digest of the
+    global batch they were cut from (0 when the workers do not compare it)."""
+
+    pieces: list[Any]
+    digest: int = 0
+
+
 class StepBuffer:
     """The per-replica batches of the next steps: ``size`` steps are read ahead of the one taken.
 
-    ``read_step()`` returns one step's per-replica batches, or ``None`` at the end of this
-    worker's data.
+    ``read_step()`` returns one step's ``LocalStep``, or ``None`` at the end of this worker's data.
     """
 
-    def __init__(self, read_step: Callable[[], list[Any] | None], feeder: DeviceFeeder, size: int):
+    def __init__(self, read_step: Callable[[], LocalStep | None], feeder: DeviceFeeder, size: int):
         self._read_step = read_step
         self._feeder = feeder
         self._size = size
-        self._queue: deque[list[Any]] = deque()
+        self._queue: deque[LocalStep] = deque()
         self._ended = False
 
     def _read(self) -> bool:
         if self._ended:
             return False
-        pieces = self._read_step()
-        if pieces is None:
+        step = self._read_step()
+        if step is None:
             self._ended = True
             return False
-        self._queue.append(self._feeder.send(pieces))
+        self._queue.append(step._replace(pieces=self._feeder.send(step.pieces)))
         return True
 
     def peek(self) -> list[Any] | None:
         """The next step's batches without taking them (for their shapes and dtypes)."""
         if not self._queue:
             self._read()
-        return self._queue[0] if self._queue else None
+        return self._queue[0].pieces if self._queue else None
 
-    def take(self) -> list[Any] | None:
-        """The next step's batches, ready on their devices; ``None`` when this worker has none."""
+    def take(self) -> LocalStep | None:
+        """The next step, its batches ready on their devices; ``None`` when this worker has none."""
         if not self._queue and not self._read():
             return None
-        pieces = self._queue.popleft()
+        step = self._queue.popleft()
         while len(self._queue) < self._size and self._read():
             pass
-        return self._feeder.receive(pieces)
+        return step._replace(pieces=self._feeder.receive(step.pieces))

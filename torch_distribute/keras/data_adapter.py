@@ -37,6 +37,7 @@ from torch_distribute.input import (
     DistributedDataset,
     InputOptions,
     data,
+    step_rows,
 )
 from torch_distribute.keras.dataset_creator import DatasetCreator
 from torch_distribute.values import PerReplica
@@ -197,9 +198,17 @@ class DataHandler:
         self.distributed = distributed
         self.steps_per_epoch = steps_per_epoch
         self.input_options = input_options
-        # Without DATA sharding each worker's batch is its share: the global rows are summed.
-        self._rows_are_global = (input_options.auto_shard_policy is AutoShardPolicy.DATA
-                                 or strategy.extended.num_workers_in_sync == 1)
+        workers = strategy.extended.num_workers_in_sync
+        # Without DATA sharding each worker reads batches of its own: the global rows are summed.
+        self._rows_are_global = input_options.auto_shard_policy is AutoShardPolicy.DATA or workers == 1
+        # ... and each of its (global) batches makes one step per worker (TensorFlow's rule).
+        self._steps_per_batch = 1 if self._rows_are_global else workers
+        if source is not None and steps_per_epoch is not None and steps_per_epoch % self._steps_per_batch:
+            raise InvalidArgumentError(
+                f"steps_per_epoch={steps_per_epoch} with a dataset each of the {workers} workers reads "
+                f"itself ({input_options.auto_shard_policy.name}): each of its global batches makes "
+                f"{workers} steps, so steps_per_epoch must be a multiple of {workers}."
+            )
         self.exhausted = False
         self._last_rows: int | None = None
         self._stream: Iterator[Any] | None = None
@@ -216,7 +225,8 @@ class DataHandler:
         if self.steps_per_epoch is not None:
             return self.steps_per_epoch
         if self.source is not None:
-            return self.source.num_batches
+            batches = self.source.num_batches
+            return None if batches is None else batches * self._steps_per_batch
         try:
             return len(self.distributed)
         except TypeError:
@@ -279,7 +289,7 @@ class DataHandler:
             global_batches: Iterator[Any] = self.source.passes(epoch)
         else:
             global_batches = self._stream_batches()
-        length = self.steps
+        length = None if self.steps is None else self.steps // self._steps_per_batch  # batches, not steps
         epoch_batches = (_SizedEpoch(self._record_rows, global_batches, length) if length is not None
                          else _Epoch(self._record_rows, global_batches, None))
         return self.strategy.experimental_distribute_dataset(epoch_batches, options=self.input_options)
@@ -319,7 +329,7 @@ class DataHandler:
             self._rebuild_stream()
         if self._stream is None or (self.source.reiterable and num_batches is not None and self._taken_in_pass >= num_batches):
             self._new_pass()
-        limit = self.steps_per_epoch
+        limit = None if self.steps_per_epoch is None else self.steps_per_epoch // self._steps_per_batch
         taken = 0
         while limit is None or taken < limit:
             stream = self._stream
@@ -338,6 +348,9 @@ class DataHandler:
         """Rows of the global batch this step trains on (every replica of every worker)."""
         if self._last_rows is not None:
             return self._last_rows
+        recorded = step_rows.find(distributed_batch)  # the workers' per-step exchange counted them
+        if recorded is not None:
+            return recorded.global_rows
         first = nest.leaves(distributed_batch)[0]
         local = [int(part.shape[0]) for part in self.strategy.experimental_local_results(first)]
         if self.strategy.num_replicas_in_sync == len(local):
@@ -417,8 +430,8 @@ def make_handler(
 def _own_sharding(strategy: Strategy, x: Any) -> tuple[Any, InputOptions]:
     """The dataset's own sharding policy (``td.data.with_options``) if it has one, else DATA.
 
-    FILE shards the dataset here, once (its ``shard(num_shards, index)``); its batches are
-    then this worker's share (OFF).
+    FILE shards the dataset here, once (its ``shard(num_shards, index)``); each worker then
+    reads its own global batches, as under OFF (each makes one step per worker).
     """
     if data.options_of(x).experimental_distribute.auto_shard_policy is None:
         return x, DATA_SHARDING

@@ -20,12 +20,16 @@ import torch
 import torch.distributed as dist
 
 from torch_distribute.cluster import ClusterResolver, ProcessGroupClusterResolver, resolve_cluster
-from torch_distribute.collectives.communication import CommunicationOptions
+from torch_distribute.collectives.communication import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import LogicalDevice, gpu_identity, local_devices
 from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
+from torch_distribute.input.step_agreement import StepReport
 
-_DATA_AGREEMENT = "input agreement (does any worker still have data?)"
+_DATA_AGREEMENT = "input agreement (which workers still have data, and how many rows?)"
 
 
 class AcrossWorkers:
@@ -69,6 +73,12 @@ class AcrossWorkers:
     def any_worker_has_data(self, local_has_data: bool) -> bool:
         group = self._peers()
         return local_has_data if group is None else group.any_true(local_has_data, what=_DATA_AGREEMENT)
+
+    def gather_input_reports(self, report: StepReport) -> list[StepReport]:
+        group = self._peers()
+        if group is None:
+            return [report]
+        return [StepReport.unpack(payload) for payload in group.gather_small(report.pack(), what=_DATA_AGREEMENT)]
 
     def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
         group = self._peers()
@@ -121,6 +131,22 @@ def worker_job(
             f"communication_options must be td.CommunicationOptions, got {type(options).__name__}."
         )
     return resolver, options
+
+
+def check_implementation(options: CommunicationOptions, devices: Sequence[LogicalDevice]) -> None:
+    """``CommunicationImplementation.NCCL`` needs GPUs, with one worker as with several
+    (TensorFlow only warns, then falls back; several workers here raise the same error at the
+    rendezvous).
+
+    Raises:
+        InvalidArgumentError: NCCL asked for, and no device is a GPU.
+    """
+    if options.implementation is CommunicationImplementation.NCCL and not any(d.is_cuda for d in devices):
+        raise InvalidArgumentError(
+            "CommunicationImplementation.NCCL needs CUDA devices, and this worker's devices are "
+            f"{[d.name for d in devices]}: NCCL does not run on CPUs. Use "
+            "CommunicationImplementation.AUTO (NCCL on GPUs, Gloo on CPUs) or RING."
+        )
 
 
 def open_worker_group(

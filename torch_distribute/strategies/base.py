@@ -30,8 +30,8 @@ each call, unless said otherwise):
    ``extended.replica_all_reduce``/``replica_all_gather`` through ``merge_call``.
 4. Cross-replica: ``strategy.reduce``/``gather`` combine ``extended.local_components`` of a
    value with ``extended.reduce_across_workers``/``gather_across_workers``; metrics do the
-   same for their totals; distributed datasets ask ``extended.any_worker_has_data`` each
-   step.
+   same for their totals; distributed datasets exchange their reports with
+   ``extended.gather_input_reports`` each step.
 5. Checkpoints: ``extended.should_checkpoint`` says whether this process writes;
    ``extended.checkpoint_state(obj)``/``load_checkpoint_state(obj, state)`` read and
    write the state of an object the strategy captured; fault tolerance shares per-worker
@@ -62,6 +62,7 @@ from torch_distribute.input import (
     InputContext,
     InputOptions,
     ValueContext,
+    step_rows,
 )
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
@@ -74,6 +75,7 @@ from torch_distribute.values import (
     check_reducible,
     check_same_layout,
     exact_tensor,
+    regroup,
 )
 
 if TYPE_CHECKING:
@@ -173,8 +175,12 @@ class Strategy:
                 f"of a different {type(top.strategy).__name__}. Exit the other scope first; "
                 "objects belong to exactly one strategy."
             )
-        # Re-entering our own scope inside a replica function keeps the replica context.
+        # Re-entering our own scope inside a replica function keeps the replica context. The
+        # default strategy's scope keeps its single replica context (TensorFlow: inside it,
+        # in_cross_replica_context() is False and get_replica_context() the default one).
         replica_context = top.replica_context if top is not None and top.strategy is self else None
+        if replica_context is None and self.is_default:
+            replica_context = context.default_replica_context()
         context.push_frame(self, replica_context)
         try:
             yield self
@@ -217,6 +223,7 @@ class Strategy:
             self._extended.compiling_replica_steps(take_turns=step.take_turns)
         if self.num_replicas_in_sync > 1:
             replica_fn = loss_scaling.with_replica_inputs(replica_fn)
+            replica_fn = step_rows.with_step_rows(replica_fn, step_rows.find((args, kwargs)))
         return self._extended.call_for_each_replica(replica_fn, tuple(args), kwargs or {})
 
     # -- reductions -------------------------------------------------------------------------
@@ -340,7 +347,7 @@ class Strategy:
             num_workers=ext.num_workers_in_sync,
             worker_index=ext.worker_index,
             options=options,
-            sync_has_data=ext.any_worker_has_data,
+            sync_step=ext.gather_input_reports,
         )
 
     distribute_dataset = experimental_distribute_dataset
@@ -357,13 +364,23 @@ class Strategy:
             replica_id_offset=ext.replica_id_offset,
             num_replicas_in_sync=self.num_replicas_in_sync,
             options=options,
-            sync_has_data=ext.any_worker_has_data,
+            sync_step=ext.gather_input_reports,
         )
 
     experimental_distribute_datasets_from_function = distribute_datasets_from_function
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """``PerReplica`` of ``value_fn(ValueContext)`` called for each local replica."""
+        """``value_fn(ValueContext)`` called for each local replica, regrouped as TensorFlow does:
+        a nest of ``PerReplica`` leaves (a tuple of ``PerReplica`` for a function that returns a
+        tuple), so that ``run(fn, args=values)`` and ``reduce(op, values)`` take it as it is.
+
+        >>> import torch, torch_distribute as td
+        >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> ids, ones = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: (torch.tensor(ctx.replica_id_in_sync_group), torch.ones(())))
+        >>> strategy.reduce("sum", ids, axis=None), strategy.experimental_local_results(ones)
+        (tensor(1), (tensor(1.), tensor(1.)))
+        """
         ext = self._extended
         values = []
         for k, device in enumerate(ext.replica_devices):
@@ -373,7 +390,9 @@ class Strategy:
                 return v.to(d) if isinstance(v, torch.Tensor) else v
 
             values.append(nest.map_structure(placed, value))
-        return PerReplica(values)
+        if len(values) == 1:
+            return nest.map_structure(lambda v: PerReplica((v,)), values[0])
+        return regroup(values, always_wrap=True)
 
     distribute_values_from_function = experimental_distribute_values_from_function
 

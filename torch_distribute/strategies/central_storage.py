@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from torch_distribute.collectives import CrossDeviceOps, ReductionToOneDevice
 from torch_distribute.devices import (
@@ -136,3 +137,21 @@ class CentralStorageStrategy(Strategy):
         else:
             extended = CentralStorageExtended(self, compute, central)
         super().__init__(extended)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of ``value`` in this process: for a parameter or module made in
+        ``scope()``, the one central value (as TensorFlow's central variables have one
+        component), not the replicas' compute copies.
+
+        >>> import torch, torch_distribute as td
+        >>> strategy = td.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     layer = torch.nn.Linear(2, 1)
+        >>> len(strategy.experimental_local_results(layer.weight))
+        1
+        """
+        if isinstance(value, (torch.Tensor, nn.Module)) and self.extended.local_copies(value) is not None:
+            return (value,)
+        return super().experimental_local_results(value)
+
+    local_results = experimental_local_results

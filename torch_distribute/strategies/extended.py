@@ -24,6 +24,7 @@ from torch_distribute import context
 from torch_distribute.collectives.arithmetic import divide
 from torch_distribute.devices import LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.input.step_agreement import StepReport
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import (
     DistributedValues,
@@ -226,6 +227,11 @@ class StrategyExtended:
     def any_worker_has_data(self, local_has_data: bool) -> bool:
         """Whether any replica of any worker still has input (one process: the local answer)."""
         return local_has_data
+
+    def gather_input_reports(self, report: StepReport) -> list[StepReport]:
+        """Every worker's report of one step of a distributed dataset, in worker order (one
+        process: its own). One small collective across workers."""
+        return [report]
 
     def all_gather_objects(self, obj: object, what: str) -> list[Any]:
         """Small picklable values from every worker, in worker order (``what`` names it in errors)."""

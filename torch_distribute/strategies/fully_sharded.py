@@ -34,6 +34,7 @@ from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
+    check_implementation,
     default_worker_devices,
     open_worker_group,
     worker_job,
@@ -427,6 +428,7 @@ class FullyShardedStrategy(Strategy):
                 f"{type(mixed_precision).__name__}."
             )
         chosen = canonicalize(device) if device is not None else default_worker_devices(resolver)[0]
+        check_implementation(options, [chosen])
         self._cluster_resolver = resolver
         super().__init__(FullyShardedExtended(
             self, chosen, resolver, options, shard_policy, reshard_after_forward,

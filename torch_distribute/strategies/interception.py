@@ -154,8 +154,24 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
 def _on_submodule(module: torch.nn.Module, name: str, submodule: Any) -> Any:
     strategy = scope_strategy()
     if strategy is not None and submodule is not None:
+        _refuse_data_parallel_wrapper(module, strategy)
         strategy.extended.capture_submodule(module, name, submodule)
     return None
+
+
+def _refuse_data_parallel_wrapper(module: torch.nn.Module, strategy: ScopedStrategy) -> None:
+    """A DDP (or ``nn.DataParallel``) wrapper made in a scope: the strategy already sums the
+    gradients over every replica and worker, so the wrapper's own all-reduce (or scatter)
+    would be work done twice, on the strategy's own process group."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if isinstance(module, wrappers):
+        raise InvalidArgumentError(
+            f"{type(module).__name__} was made inside {type(strategy).__name__}.scope(): the strategy "
+            "already replicates the model and sums its gradients over every replica and worker, so "
+            f"{type(module).__name__}'s own gradient all-reduce would run on every step for nothing "
+            "(DDP habits do not carry over). Drop the wrapper and use the module itself: "
+            "model = MyModel() inside the scope, and model(x) in the step."
+        )
 
 
 def capture_module(module: torch.nn.Module) -> ScopedStrategy | None:

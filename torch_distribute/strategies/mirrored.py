@@ -305,9 +305,10 @@ def _zero_grad_of(tensor: torch.Tensor, set_to_none: bool) -> None:
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism over the devices of one process.
 
-    ``devices=None`` uses every visible GPU, else the CPU. CPU replicas
-    (``["cpu:0", "cpu:1"]``) are real replicas computing concurrently on the host, which is
-    how the same program is tested without GPUs.
+    ``devices=None`` uses every visible GPU, else every logical CPU device (one unless
+    ``td.config.set_logical_device_configuration`` split the CPU, as TensorFlow's guides do).
+    CPU replicas (``["cpu:0", "cpu:1"]``) are real replicas computing concurrently on the host,
+    which is how the same program is tested without GPUs.
 
     >>> import torch, torch_distribute as td
     >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -319,7 +320,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: CrossDeviceOps | None = None):
-        parsed = canonicalize_all(devices) if devices is not None else local_devices()
+        parsed = canonicalize_all(devices) if devices is not None else local_devices(logical_cpus=True)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise InvalidArgumentError(
                 f"cross_device_ops must be a td.CrossDeviceOps (e.g. td.ReductionToOneDevice()), "

@@ -27,6 +27,7 @@ from torch_distribute.errors import InvalidArgumentError
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
+    check_implementation,
     default_worker_devices,
     open_worker_group,
     worker_job,
@@ -160,6 +161,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     ):
         resolver, options = worker_job(cluster_resolver, communication_options)
         parsed = canonicalize_all(devices) if devices is not None else default_worker_devices(resolver)
+        check_implementation(options, parsed)
         self._cluster_resolver = resolver
         super().__init__(MultiWorkerMirroredExtended(self, parsed, resolver, options))
 
