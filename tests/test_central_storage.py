@@ -71,7 +71,9 @@ def test_state_lives_once_and_every_replica_computes_on_a_copy():
         model = nn.Linear(3, 2)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
 
-    seen = strategy.experimental_local_results(strategy.run(lambda: model.weight))
+    # TensorFlow's central variable has one component; the replicas compute with copies of it.
+    assert strategy.experimental_local_results(model.weight) == (model.weight,)
+    seen = strategy.extended.local_copies(strategy.run(lambda: model.weight))
     assert len(seen) == 2
     assert all(w is not model.weight for w in seen)  # replica 0 too: a copy of the central value
     assert seen[0].data_ptr() != seen[1].data_ptr() != model.weight.data_ptr()

@@ -36,8 +36,13 @@ def test_logical_cpus_can_be_listed_and_used_by_a_strategy(cpu):
     assert len(td.config.get_logical_device_configuration("/physical_device:CPU:0")) == 3
     strategy = td.MirroredStrategy(logical)
     assert strategy.num_replicas_in_sync == 3
+    # TensorFlow's MirroredStrategy() without GPUs takes every logical CPU device (the input
+    # guide's cells rely on it); the one-process-per-worker and central strategies take one.
+    assert td.MirroredStrategy().num_replicas_in_sync == 3
+    assert td.MultiWorkerMirroredStrategy().num_replicas_in_sync == 1
     td.config.set_logical_device_configuration(cpu, None)
     assert len(td.config.list_logical_devices("CPU")) == 1
+    assert td.MirroredStrategy().num_replicas_in_sync == 1
 
 
 @pytest.mark.parametrize(("device", "configurations", "error", "match"), [

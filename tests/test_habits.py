@@ -176,9 +176,38 @@ def test_the_probability_check_reads_only_the_first_batches():
 # -- compute_average_loss without global_batch_size on a ragged last batch -------------------------
 
 
-def test_compute_average_loss_without_global_batch_size_warns_on_the_ragged_batch_with_the_number():
-    data = examples(28)  # 3 global batches of 8 and a ragged one of 4
+def test_compute_average_loss_without_global_batch_size_is_exact_on_an_even_ragged_batch():
+    # 28 examples: 3 global batches of 8 and a ragged one of 4, which 2 replicas split 2 and 2.
+    # The guess rows x replicas is then this step's global batch: exact, so no warning, and the
+    # result is one device's mean at every step (the minGPT port's case).
+    data = examples(28)
     strategy = two_replicas()
+
+    def guessing(strategy, batches):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = torch.nn.Linear(4, 3)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(x, y):
+            opt.zero_grad()
+            td.compute_average_loss(torch.nn.functional.cross_entropy(model(x), y, reduction="none")).backward()
+            opt.step()
+
+        for x, y in batches:
+            strategy.run(step, args=(x, y))
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two = guessing(strategy, strategy.experimental_distribute_dataset(DataLoader(data, batch_size=GLOBAL_BATCH)))
+    one_device = guessing(td.OneDeviceStrategy("cpu"), DataLoader(data, batch_size=GLOBAL_BATCH))
+    torch.testing.assert_close(two, one_device)
+
+
+def test_compute_average_loss_without_global_batch_size_warns_when_its_guess_is_inexact():
+    data = examples(28)  # 3 global batches of 8 and a ragged one of 4
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])  # 8 rows split 3, 3, 2
 
     with strategy.scope():
         model = torch.nn.Linear(4, 3)
@@ -193,12 +222,11 @@ def test_compute_average_loss_without_global_batch_size_warns_on_the_ragged_batc
         for _ in range(2):  # two epochs: still one warning
             for x, y in batches:
                 strategy.run(step, args=(x, y))
-    ragged = [w for w in caught if "global_batch_size" in str(w.message)]
-    assert len(ragged) == 1, [str(w.message) for w in caught]
-    message = str(ragged[0].message)
-    assert "got 2 rows" in message and "fewer than the 4" in message
-    assert "global_batch_size=8" in message
-    assert ragged[0].filename == __file__  # points at the user's line
+    inexact = [w for w in caught if "global_batch_size" in str(w.message)]
+    assert len(inexact) == 1, [str(w.message) for w in caught]
+    message = str(inexact[0].message)
+    assert "got 3 rows" in message and "3 × 3 = 9" in message and "has 8 rows" in message
+    assert inexact[0].filename == __file__  # points at the user's line
 
     # The named fix trains as one device does, ragged batch included.
     one_device = train(td.OneDeviceStrategy("cpu"), DataLoader(data, batch_size=GLOBAL_BATCH))

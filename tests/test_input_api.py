@@ -413,6 +413,8 @@ def test_two_workers_optional_end_of_data_and_fit_with_the_dataset_policy():
         assert f"DistributedSampler(num_replicas=2, rank={rank})" in results[rank]["ddp_refused"]
         assert "sharded twice" in results[rank]["ddp_refused"]
         assert results[rank]["ddp_declared_rows"] == 4  # declared as the worker's share: half of 8
+        # Loaders shuffled with the rank as seed: found at the first step, on both workers.
+        assert "at step 0 of this epoch the workers read different global batches" in results[rank]["shuffled_by_rank"]
     assert results[0]["local_rows"] == [4] * 6  # 3 global batches of 8, 2 steps each
     assert results[1]["local_rows"] == [4] * 4 + [0, 0]  # ran out: empty batches while worker 0 has data
     assert results[0]["params"] == results[1]["params"]

@@ -970,7 +970,8 @@ def test_distribute_values_from_function(strategy):
         return {"id": torch.tensor(ctx.replica_id_in_sync_group), "n": ctx.num_replicas_in_sync}
 
     value = strategy.experimental_distribute_values_from_function(value_fn)
-    assert isinstance(value, td.PerReplica)
+    # Regrouped as TensorFlow's regroup does: a dict of PerReplica, not a PerReplica of dicts.
+    assert isinstance(value, dict) and all(isinstance(v, td.PerReplica) for v in value.values())
     assert [c.replica_id_in_sync_group for c in contexts] == list(range(n))
     assert all(c.num_replicas_in_sync == n and isinstance(c, td.ValueContext) for c in contexts)
     out = strategy.run(lambda v: (v["id"] * 10, v["n"]), args=(value,))

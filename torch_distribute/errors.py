@@ -101,7 +101,9 @@ class ClosureCancelledError(DistributeError, RuntimeError):
 
 
 class OutOfRangeError(DistributeError, RuntimeError):
-    """A per-worker iterator ran out of data inside a scheduled function."""
+    """An iterator ran out of data: ``iterator.get_next()`` past the end of a distributed
+    dataset (TensorFlow's ``tf.errors.OutOfRangeError``; ``next(iterator)`` raises
+    ``StopIteration``), or a per-worker iterator inside a scheduled function."""
 
 
 class JobAuthenticationError(DistributeError, PermissionError):

@@ -75,6 +75,7 @@ def compute_average_loss(
     # The step's rows, when its batch came from a distributed dataset and this loss has one
     # value per row of this replica's batch (eager steps: a compiled one does not look).
     rows = None if torch.compiler.is_compiling() else _step_rows_of(replica, loss)
+    guessed = global_batch_size is None
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
         if rows is not None:
@@ -91,7 +92,7 @@ def compute_average_loss(
             )
     if global_batch_size < 0:
         raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}.")
-    if rows is not None:
+    if rows is not None and not guessed:
         if global_batch_size < rows.global_rows:
             raise LossScalingError(_too_small(global_batch_size, rows.global_rows, replica))
         _SHORT_STEPS.note(rows, global_batch_size, inspect.currentframe())

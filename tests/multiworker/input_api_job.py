@@ -59,6 +59,22 @@ def ddp_sampler_habit(strategy: td.MultiWorkerMirroredStrategy) -> tuple[str, in
     return refused, rows
 
 
+def rank_seeded_shuffle(strategy: td.MultiWorkerMirroredStrategy) -> str:
+    """A DDP habit: each worker's loader shuffles with a seed of its own (rank). Under DATA the
+    workers would keep their rows of different global batches: the error every worker raises."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rank = strategy.extended.worker_index
+    examples = TensorDataset(torch.arange(64.0).reshape(32, 2))
+    loader = DataLoader(examples, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(rank))
+    try:
+        for _ in strategy.experimental_distribute_dataset(loader):
+            pass
+    except td.DatasetError as error:
+        return str(error)
+    return ""
+
+
 def main() -> None:
     strategy = td.MultiWorkerMirroredStrategy(communication_options=td.CommunicationOptions(timeout_seconds=30))
     rank = strategy.extended.worker_index
@@ -82,6 +98,8 @@ def main() -> None:
     via_strategy = strategy.experimental_distribute_dataset(own_policy(share(rank, 2)))
     ddp_refused, ddp_declared_rows = ddp_sampler_habit(strategy)
 
+    shuffled_by_rank = rank_seeded_shuffle(strategy)
+
     torch.manual_seed(0)
     with strategy.scope():
         model = td.keras.Model(torch.nn.Linear(3, 1))
@@ -90,7 +108,7 @@ def main() -> None:
     model.fit(own_policy(data), epochs=1, verbose=0)
     H.emit({"rank": rank, "has_value": has_value, "local_rows": local_rows, "agreements": len(agreements),
             "policy": via_strategy.shard_policy.name, "ddp_refused": ddp_refused,
-            "ddp_declared_rows": ddp_declared_rows,
+            "ddp_declared_rows": ddp_declared_rows, "shuffled_by_rank": shuffled_by_rank,
             "params": [float(v) for p in model.parameters() for v in p.detach().reshape(-1)]})
 
 
