@@ -270,8 +270,31 @@ def test_replica_context_all_reduce_all_gather_across_workers(job_name, request)
 
 # -- 3. input sharding ------------------------------------------------------------------------
 def _tf_sizes(batch: int, parts: int) -> list[int]:
-    floor, extra = divmod(batch, parts)
-    return [floor + 1] * extra + [floor] * (parts - extra)
+    """How TensorFlow 2.21 splits one global batch over ``parts`` replicas: ceil(batch / parts)
+    rows each, in order, the last ones smaller or empty."""
+    chunk = -(-batch // parts)
+    return [max(0, min(chunk, batch - k * chunk)) for k in range(parts)]
+
+
+def _tf_own_pieces(batch: int, global_batch: int, workers: int, replicas: int, worker: int) -> list[int]:
+    """Under OFF and FILE, how a worker cuts one of its batches: in order, by TensorFlow's
+    batch_sizes_for_worker(global_batch, workers, replicas, worker) (balanced sizes, rotated by
+    the worker's first replica), repeated until the batch is used up, with the empty pieces
+    that close a round (a global batch smaller than the replicas)."""
+    parts = workers * replicas
+    floor, extra = divmod(global_batch, parts)
+    sizes = [floor + 1] * extra + [floor] * (parts - extra)
+    cycle = sizes[worker * replicas:] + sizes[:worker * replicas]
+    pieces, left, k = [], batch, 0
+    while left > 0:
+        take = min(cycle[k % len(cycle)], left)
+        pieces.append(take)
+        left -= take
+        k += 1
+    while k % len(cycle) and cycle[k % len(cycle)] == 0:  # empty pieces closing the round
+        pieces.append(0)
+        k += 1
+    return pieces
 
 
 @pytest.mark.timeout(200)
@@ -310,32 +333,34 @@ def test_data_sharding_global_batch_7_on_2_workers_by_2_replicas(job_2x2):
 
 @pytest.mark.timeout(200)
 def test_ragged_ends_with_auto_shard_off(job):
-    """Worker w brings max(1, 3 - 2w) batches of 3 rows: the others run out first."""
+    """Worker w brings max(1, 3 - 2w) batches of 3 rows, each a global batch (TensorFlow's OFF):
+    each makes one step per worker, and the others run out first."""
     _no_errors(job, "ragged_off")
     workers, replicas = job["workers"], job["replicas"]
     counts = [max(1, 3 - 2 * w) for w in range(workers)]
-    steps = max(counts)
+    own_steps = []  # per worker: the ids of each replica at each of its own steps
+    for rank in range(workers):
+        ids = iter(range(sum(counts[:rank]) * 3, sum(counts[:rank + 1]) * 3))
+        pieces = [[next(ids) for _ in range(size)]
+                  for _ in range(counts[rank]) for size in _tf_own_pieces(3, 3, workers, replicas, rank)]
+        pieces += [[]] * (-len(pieces) % replicas)
+        own_steps.append([pieces[k:k + replicas] for k in range(0, len(pieces), replicas)])
+    steps = max(len(own) for own in own_steps)
     seen, per_step = [], [[] for _ in range(steps)]
     lins = set()
     for rank, result in job["results"].items():
         ragged = result["ragged_off"]
         assert len(ragged["rows"]) == steps  # everybody stops together, nobody hangs
-        start = sum(counts[:rank]) * 3
         for step, rows in enumerate(ragged["rows"]):
-            if step < counts[rank]:
-                ids = list(range(start + 3 * step, start + 3 * step + 3))
-                expected, offset = [], 0
-                for size in _tf_sizes(3, replicas):
-                    expected.append(ids[offset:offset + size])
-                    offset += size
-            else:
-                expected = [[] for _ in range(replicas)]  # empty batches
+            own = own_steps[rank]
+            expected = own[step] if step < len(own) else [[] for _ in range(replicas)]  # empty batches
             assert rows == expected, f"worker {rank}, step {step}"
             for replica_rows in rows:
                 seen.extend(replica_rows)
                 per_step[step].extend(replica_rows)
         lins.add(tuple(ragged["lin"]))
     assert sorted(seen) == list(range(3 * sum(counts)))
+    assert all(len(ids) <= 3 for ids in per_step)  # a step trains on one global batch at most
     for result in job["results"].values():
         assert result["ragged_off"]["counted"] == [float(len(ids)) for ids in per_step]
     # Gradients summed over all replicas of all workers, also in steps where some are empty.

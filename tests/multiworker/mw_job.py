@@ -237,8 +237,9 @@ if args.checks:
 
     @section("ragged_off")
     def _ragged_off():
-        # Each worker brings its own share (OFF): worker w has 3 - 2 w batches of 3 rows (at
-        # least one), with ids unique over the job; the short worker runs out first.
+        # Each worker reads its own batches (OFF), global batches of 3 rows as TensorFlow has
+        # it: worker w has 3 - 2 w of them (at least one), with ids unique over the job; each
+        # makes one step per worker; the short worker runs out first.
         num_workers = resolver.num_workers
         counts = [max(1, 3 - 2 * w) for w in range(num_workers)]
         start = sum(counts[:rank]) * 3

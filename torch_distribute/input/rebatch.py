@@ -56,10 +56,14 @@ def data_shard(batch: Any, num_workers: int, replicas: int, worker_index: int) -
 
 def fill_in_order_sizes(rows: int, cycle: list[int]) -> list[int]:
     """The sizes that cut ``rows`` rows in order by ``cycle`` (repeated as needed); the last
-    size is what is left.
+    size is what is left. A global batch smaller than the replicas gives empty pieces in the
+    cycle (3 rows over 4 replicas: ``[1, 1, 1, 0]``); those that close a round are kept, so
+    that every worker's full batch makes the same number of steps.
 
     >>> fill_in_order_sizes(6, [2, 2]), fill_in_order_sizes(3, [2, 2]), fill_in_order_sizes(0, [2])
     ([2, 2, 2], [2, 1], [])
+    >>> fill_in_order_sizes(3, [1, 1, 1, 0]), fill_in_order_sizes(3, [1, 0, 1, 1])
+    ([1, 1, 1, 0], [1, 0, 1, 1])
     """
     sizes: list[int] = []
     left = rows
@@ -68,6 +72,9 @@ def fill_in_order_sizes(rows: int, cycle: list[int]) -> list[int]:
         take = min(cycle[k % len(cycle)], left)
         sizes.append(take)
         left -= take
+        k += 1
+    while k % len(cycle) and cycle[k % len(cycle)] == 0:
+        sizes.append(0)
         k += 1
     return sizes
 
