@@ -92,7 +92,7 @@ class StepBuffer:
         if step is None:
             self._ended = True
             return False
-        self._queue.append(step._replace(pieces=self._feeder.send(step.pieces)))
+        self._queue.append(LocalStep(self._feeder.send(step.pieces), step.digest))
         return True
 
     def peek(self) -> list[Any] | None:
@@ -108,4 +108,4 @@ class StepBuffer:
         step = self._queue.popleft()
         while len(self._queue) < self._size and self._read():
             pass
-        return step._replace(pieces=self._feeder.receive(step.pieces))
+        return LocalStep(self._feeder.receive(step.pieces), step.digest)
