@@ -89,8 +89,8 @@ class _RowStream:
 
     def take(self, size: int) -> Any:
         """The next ``size`` rows (at most ``self.rows``): one batch, a slice, or a concatenation."""
-        if size == 0:
-            return self._empty
+        if size == 0:  # a new tensor each time: pieces are told apart by identity (step_rows)
+            return empty_like_batch(self._empty)
         taken = []
         needed = size
         while needed:
