@@ -230,6 +230,47 @@ def test_per_replica_datasets_together_give_the_global_batches():
         assert torch.equal(got, data[i, :got.numel()])
 
 
+@pytest.mark.parametrize("mode", ["PER_WORKER", "PER_REPLICA"])
+def test_a_dataset_function_batched_per_replica_trains_as_one_device(mode):
+    # One process of 4 (PER_REPLICA) or 2 (PER_WORKER) CPU replicas, each batch of
+    # ctx.get_per_replica_batch_size(8) rows, compute_average_loss(global_batch_size=8): the
+    # parameters of one device trained on the global batches of 8 (22 examples: 8, 8, 6).
+    generator = torch.Generator().manual_seed(11)
+    x, y = torch.randn(22, 3, generator=generator), torch.randn(22, 1, generator=generator)
+    replicas = 4 if mode == "PER_REPLICA" else 2
+
+    def dataset_fn(ctx):
+        rows = ctx.get_per_replica_batch_size(8)
+        if mode == "PER_WORKER":  # one pipeline: its replicas take consecutive batches
+            return DataLoader(TensorDataset(x, y), batch_size=rows)
+        mine = [i for start in range(0, 22, 8) for i in range(start + ctx.input_pipeline_id * rows,
+                                                                min(start + (ctx.input_pipeline_id + 1) * rows, 22))]
+        return DataLoader(TensorDataset(x[mine], y[mine]), batch_size=rows)
+
+    def train(strategy, dataset):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = torch.nn.Linear(3, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(xb, yb):
+            td.compute_average_loss((model(xb) - yb).pow(2).squeeze(1), global_batch_size=8).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return torch.tensor(xb.shape[0])
+
+        rows = [int(strategy.reduce("sum", strategy.run(step, args=batch), axis=None)) for batch in dataset]
+        return rows, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    strategy = mirrored(replicas)
+    options = td.InputOptions(experimental_replication_mode=td.InputReplicationMode[mode])
+    rows, params = train(strategy, strategy.distribute_datasets_from_function(dataset_fn, options))
+    one_device = td.OneDeviceStrategy("cpu")
+    reference_rows, reference = train(one_device, DataLoader(TensorDataset(x, y), batch_size=8))
+    assert rows == reference_rows == [8, 8, 6]
+    torch.testing.assert_close(params, reference, rtol=1e-6, atol=1e-7)
+
+
 def test_per_replica_needs_the_dataset_function():
     options = td.InputOptions(experimental_replication_mode=PER_REPLICA)
     with pytest.raises(td.InvalidArgumentError, match="from_function"):

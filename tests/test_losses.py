@@ -137,6 +137,35 @@ def test_compute_average_loss_two_replicas_no_g():
     assert strategy.reduce("sum", out, axis=None).item() == 2.5
 
 
+def test_a_global_batch_size_below_the_steps_rows_is_refused():
+    # A dataset of global batches of 8 while global_batch_size counts 4 (a per-worker habit):
+    # every example would weigh twice what one device gives it.
+    strategy = make_strategy(2)
+    (dist,) = list(strategy.experimental_distribute_dataset([torch.arange(8.0)]))
+    with pytest.raises(td.LossScalingError, match=r"global_batch_size=4\) on a step whose batches hold 8 rows"):
+        strategy.run(lambda v: td.compute_average_loss(v, global_batch_size=4), args=(dist,))
+
+
+def test_the_guess_on_an_unevenly_split_last_batch_warns_and_divides_as_tensorflow():
+    # 3 rows over 2 replicas: 2 and 1. Without global_batch_size TensorFlow divides each
+    # replica's sum by its rows x 2 (4 and 2); this is kept, with a warning, and not refused
+    # although replica 1's guess (2) is below the step's 3 rows.
+    strategy = make_strategy(2)
+    (dist,) = list(strategy.experimental_distribute_dataset([torch.tensor([1.0, 2.0, 3.0])]))
+    with pytest.warns(UserWarning, match="this step's global batch has 3 rows"):
+        out = strategy.run(td.compute_average_loss, args=(dist,))
+    assert [v.item() for v in local(strategy, out)] == [3.0 / 4, 3.0 / 2]
+
+
+def test_a_short_step_that_is_not_the_last_warns():
+    strategy = make_strategy(2)
+    dist = strategy.experimental_distribute_dataset([torch.ones(8), torch.ones(4), torch.ones(8)])
+    with pytest.warns(UserWarning, match="at step 1 of this epoch, whose batches held 4 rows") as caught:
+        for batch in dist:
+            strategy.run(lambda v: td.compute_average_loss(v, global_batch_size=8), args=(batch,))
+    assert len([w for w in caught if "weighed 1/8 instead of 1/4" in str(w.message)]) == 1
+
+
 def test_empty_replica_contributes_zero():
     strategy = make_strategy(3)
     (dist,) = list(strategy.experimental_distribute_dataset([torch.tensor([5.0])]))

@@ -76,3 +76,41 @@ def test_workers_agree_to_stop_and_pad_with_empty_batches():
     assert len(steps) == 3
     assert [v.shape[0] for v in steps[2].values] == [0, 0]
     assert steps[2].values[0].dtype == torch.float32
+
+
+# TensorFlow 2.21's MultiWorkerMirroredStrategy under OFF (2 or 3 workers of 1 CPU replica, each
+# reading the whole dataset): each worker's rows are one stream cut by its rotated sizes
+# batch_sizes_for_worker(G, W, 1, w), a piece taking rows of two batches where a short batch
+# sits in the middle.
+TF_OFF = [
+    # (batches, workers, worker, TensorFlow's steps on that worker)
+    ([4, 3, 4], 2, 0, [[0, 1], [2, 3], [10, 11], [12, 20], [21, 22], [23]]),
+    ([3, 3], 2, 0, [[0, 1], [2], [10, 11], [12]]),
+    ([3, 3], 2, 1, [[0], [1, 2], [10], [11, 12]]),
+    ([4, 3], 3, 0, [[0, 1], [2], [3], [10, 11], [12]]),
+    ([4, 3], 3, 1, [[0], [1], [2, 3], [10], [11], [12]]),
+    ([4, 3], 3, 2, [[0], [1, 2], [3], [10], [11, 12]]),
+]
+
+
+@pytest.mark.parametrize(("sizes", "workers", "worker", "expected"), TF_OFF)
+def test_off_policy_cuts_the_workers_rows_as_one_stream_as_tensorflow(sizes, workers, worker, expected):
+    batches = [torch.arange(10 * k, 10 * k + rows) for k, rows in enumerate(sizes)]
+    options = td.InputOptions(auto_shard_policy=td.AutoShardPolicy.OFF)
+    dataset = DistributedDataset(batches, [torch.device("cpu")], num_workers=workers, worker_index=worker,
+                                 options=options)
+    assert [step.tolist() for step in dataset] == expected  # one replica: plain tensors
+    assert len(dataset) == len(expected)
+
+
+def test_off_policy_hands_out_the_empty_pieces_of_a_global_batch_smaller_than_the_replicas():
+    # 2 workers x 2 replicas, G = 3: batch_sizes_for_worker gives worker 0 the sizes 1, 1, 1, 0
+    # and worker 1 1, 0, 1, 1. TensorFlow's Dataset.rebatch of those sizes (what its OFF policy
+    # applies) hands out the empty pieces too, so every step holds at most 3 rows over the workers.
+    options = td.InputOptions(auto_shard_policy=td.AutoShardPolicy.OFF)
+    worker0 = DistributedDataset([torch.arange(3), torch.arange(10, 13)], CPU2, num_workers=2, worker_index=0,
+                                 options=options)
+    worker1 = DistributedDataset([torch.arange(20, 23)], CPU2, num_workers=2, worker_index=1, options=options)
+    assert _rows(worker0) == [[[0], [1]], [[2], []], [[10], [11]], [[12], []]]
+    assert _rows(worker1) == [[[20], []], [[21], [22]]]
+    assert (len(worker0), len(worker1)) == (4, 2)

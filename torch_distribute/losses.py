@@ -20,10 +20,11 @@ What holds, exactly:
   the batch came from a distributed dataset in an eager step, the warning appears exactly
   when the guess differs from the step's global rows; otherwise (a batch built by hand), when
   a call gets fewer rows than an earlier call from the same line.
-- A ``global_batch_size`` smaller than the step's global batch (a dataset batched per replica
+- A ``global_batch_size`` passed smaller than the step's global batch (a dataset batched per replica
   or per worker while ``G`` counts the global batch) would weigh every example more than one
   device does: in an eager step whose batch came from a distributed dataset, that raises
-  ``td.LossScalingError`` naming both numbers.
+  ``td.LossScalingError`` naming both numbers. (A guess below it, on the replica with fewer
+  rows of an unevenly split batch, is TensorFlow's rule and warns as above.)
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def compute_average_loss(
             )
     if global_batch_size < 0:
         raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}.")
-    if rows is not None and not guessed:
+    if rows is not None and not guessed:  # a guess below the step's rows was warned about above
         if global_batch_size < rows.global_rows:
             raise LossScalingError(_too_small(global_batch_size, rows.global_rows, replica))
         _SHORT_STEPS.note(rows, global_batch_size, inspect.currentframe())
