@@ -199,7 +199,7 @@ class DataHandler:
         self.input_options = input_options
         # Without DATA sharding each worker's batch is its share: the global rows are summed.
         self._rows_are_global = (input_options.auto_shard_policy is AutoShardPolicy.DATA
-                                 or strategy.extended.num_workers_in_sync == 1)
+                                 or strategy.extended.num_input_pipelines == 1)
         self.exhausted = False
         self._last_rows: int | None = None
         self._stream: Iterator[Any] | None = None
@@ -422,7 +422,7 @@ def _own_sharding(strategy: Strategy, x: Any) -> tuple[Any, InputOptions]:
     """
     if data.options_of(x).experimental_distribute.auto_shard_policy is None:
         return x, DATA_SHARDING
-    workers, index = strategy.extended.num_workers_in_sync, strategy.extended.worker_index
+    workers, index = strategy.extended.num_input_pipelines, strategy.extended.input_pipeline_id
     policy = data.resolve_shard_policy(x, None, workers)
     if policy is AutoShardPolicy.FILE:
         x, policy = x.shard(workers, index), AutoShardPolicy.OFF

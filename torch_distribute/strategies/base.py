@@ -337,8 +337,8 @@ class Strategy:
         return DistributedDataset(
             dataset,
             devices=list(ext.replica_devices),
-            num_workers=ext.num_workers_in_sync,
-            worker_index=ext.worker_index,
+            num_workers=ext.num_input_pipelines,
+            worker_index=ext.input_pipeline_id,
             options=options,
             sync_has_data=ext.any_worker_has_data,
         )
@@ -352,8 +352,8 @@ class Strategy:
         return DatasetFromFunction.from_function(
             dataset_fn,
             list(ext.replica_devices),
-            num_workers=ext.num_workers_in_sync,
-            worker_index=ext.worker_index,
+            num_workers=ext.num_input_pipelines,
+            worker_index=ext.input_pipeline_id,
             replica_id_offset=ext.replica_id_offset,
             num_replicas_in_sync=self.num_replicas_in_sync,
             options=options,

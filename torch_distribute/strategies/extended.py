@@ -96,6 +96,18 @@ class StrategyExtended:
         return self.num_workers_in_sync * self.num_local_replicas
 
     @property
+    def num_input_pipelines(self) -> int:
+        """How many different shares each global batch is cut into between processes: one per
+        worker, unless workers compute one replica together (tensor parallelism), which then
+        read the same share."""
+        return self.num_workers_in_sync
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """Which of the ``num_input_pipelines`` shares this process reads."""
+        return self.worker_index
+
+    @property
     def is_chief(self) -> bool:
         return self.worker_index == 0
 

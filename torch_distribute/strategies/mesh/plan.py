@@ -248,7 +248,7 @@ def _style(role: str, module: nn.Module, path: str, roles: dict[str, tuple[str, 
         keeps_split = "rowwise" in siblings and not embedding
         return ColwiseParallel(
             input_layouts=Replicate() if embedding or sequence is None else sequence,
-            output_layouts=Shard(-1) if keeps_split else (sequence or Replicate()))
+            output_layouts=Shard(-1) if keeps_split else Replicate())
     takes_split = "colwise" in siblings and not embedding
     return RowwiseParallel(
         input_layouts=Shard(-1) if takes_split else Replicate(),
