@@ -8,17 +8,14 @@ the one-process reference training. No pytest and no ``torch.distributed`` here.
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import os
-import sys
+import json
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import proc_helpers  # noqa: E402
 
 RESULT_PREFIX = "TPRESULT "
 VOCAB, D, HEADS, LAYERS, SEQ = 32, 32, 4, 2, 8
@@ -171,5 +168,105 @@ def train(strategy: Any = None, steps: int = STEPS, model: nn.Module | None = No
     return {"init": init, "params": flat(model), "losses": losses, "model": model, "optimizer": optimizer}
 
 
-def parse_results(text: str) -> dict[int, dict]:
-    return proc_helpers.parse_results(text, RESULT_PREFIX)
+def parse_results(text: str) -> dict[str, dict[int, dict]]:
+    """``{section: {rank: {"value"|"error": ..., "seconds": s}}}`` from the workers' lines."""
+    out: dict[str, dict[int, dict]] = {}
+    for line in text.splitlines():
+        if line.startswith("[rank ") and "] " in line:
+            line = line.split("] ", 1)[1]
+        if line.startswith(RESULT_PREFIX):
+            payload = json.loads(line[len(RESULT_PREFIX):])
+            out.setdefault(payload["section"], {})[payload["rank"]] = payload
+    return out
+
+
+def encode(tensor: torch.Tensor) -> str:
+    """A float32 tensor as base64 text, exact and compact."""
+    return base64.b64encode(tensor.detach().float().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.float32)
+
+
+def emit(payload: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(payload), flush=True)
+
+
+KERAS_SAMPLES = 24
+
+
+def keras_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows for ``fit``: 3 global batches of 8."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randint(0, VOCAB, (KERAS_SAMPLES, SEQ), generator=generator)
+    return x, (3 * x + 1) % VOCAB
+
+
+def keras_reference() -> dict:
+    """``td.keras.Model.fit`` of the GPT with no strategy: what every mesh must give."""
+    import torch_distribute as td
+
+    torch.manual_seed(SEED)
+    model = td.keras.Model(GPT())
+    model.compile(td.keras.optimizers.AdamW(learning_rate=LR, epsilon=EPS, weight_decay=0.01),
+                  td.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = keras_data()
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False)
+    return {"params": flat(model), "loss": history.history["loss"]}
+
+
+# transformers' Llama, built from a config (no download): the layout its own tp_plan describes.
+LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ}
+
+
+def llama_layout_map(mesh: Any) -> Any:
+    import torch_distribute as td
+
+    layout_map = td.LayoutMap(mesh)
+    layout_map[r"self_attn\.(q|k|v)_proj\.weight"] = ("model", None)
+    layout_map[r"self_attn\.o_proj\.weight"] = (None, "model")
+    layout_map[r"mlp\.(gate|up)_proj\.weight"] = ("model", None)
+    layout_map[r"mlp\.down_proj\.weight"] = (None, "model")
+    layout_map[r"lm_head\.weight"] = ("model", None)
+    return layout_map
+
+
+def train_llama(strategy: Any = None, steps: int = 3) -> dict:
+    """Train a tiny Llama (``transformers``) on the GPT's batches (``strategy`` None: one process)."""
+    import torch_distribute as td
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+        optimizer = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = make_data(step)
+        x, y = x * 2, y * 2  # the whole vocabulary of 64
+
+        def per_example(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=xb).logits.float()
+            per_token = F.cross_entropy(logits.reshape(-1, LLAMA["vocab_size"]), yb.reshape(-1), reduction="none")
+            return per_token.reshape(xb.shape[0], SEQ).mean(dim=1)
+
+        if strategy is None:
+            loss = per_example(x, y).sum() / GLOBAL_BATCH
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            continue
+
+        def replica_step(batch: Any) -> torch.Tensor:
+            loss = td.compute_average_loss(per_example(*batch), global_batch_size=GLOBAL_BATCH)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        losses.append(float(strategy.reduce(td.ReduceOp.SUM, strategy.run(replica_step, args=(batch,)), axis=None)))
+    return {"params": flat(model), "losses": losses, "model": model}

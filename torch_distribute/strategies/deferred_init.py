@@ -56,6 +56,7 @@ __all__ = [
     "materialize",
     "random_draws",
     "realized_by",
+    "release_buffers",
 ]
 
 _log = log.get_logger("deferred_init")
@@ -128,10 +129,13 @@ class _Storage:
     def meta(self) -> torch.Tensor:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="meta")
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, reuse: bool = False) -> torch.Tensor:
         if self.realized is not None:
             return self.realized
-        whole = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        if reuse:
+            whole = _shared_buffer("whole", self.size, self.stride, self.dtype, self.device)
+        else:
+            whole = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             if self.initial is not None:
                 whole.copy_(self.initial)
@@ -270,10 +274,31 @@ def _draw(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> Rando
         if generator is None:
             return None
     draw = RandomDraw(device, generator.get_state(), explicit)
-    scratch = torch.empty_strided(target.shape, target.stride(), dtype=target.dtype, device=device)
+    scratch = _shared_buffer("scratch", tuple(target.shape), tuple(target.stride()), target.dtype, device)
     func(scratch, *args[1:], **kwargs)
-    del scratch
     return draw
+
+
+# Reused buffers, one per purpose, dtype and device, grown to the largest tensor asked for:
+# allocating and freeing a buffer per tensor leaves the allocator's heap holding (and
+# resident) what was freed, so memory would grow with the model instead of its largest tensor.
+_buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _shared_buffer(purpose: str, size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    needed = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
+    key = (purpose, dtype, device)
+    buffer = _buffers.get(key)
+    if buffer is None or buffer.numel() < needed:
+        _buffers.pop(key, None)
+        buffer = _buffers[key] = torch.empty(max(needed, 1), dtype=dtype, device=device)
+    return buffer.as_strided(size, stride)
+
+
+def release_buffers() -> None:
+    """Free the buffers draws and ``materialize(..., reuse=True)`` reuse (until next needed)."""
+    _buffers.clear()
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -360,13 +385,17 @@ def has_values(tensor: torch.Tensor) -> bool:
     return not is_deferred(tensor) or tensor._storage.has_values
 
 
-def materialize(tensor: torch.Tensor) -> torch.Tensor:
-    """The values of ``tensor``, computed now (a new tensor on its device; the deferred
-    tensor itself is left as it is, so each call computes them again)."""
+def materialize(tensor: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """The values of ``tensor``, computed now (on its device; the deferred tensor itself is
+    left as it is, so each call computes them again).
+
+    ``reuse``: into a buffer every such call shares (valid until the next call), so that
+    materializing tensors one after the other holds one at a time.
+    """
     assert is_deferred(tensor), "only a DeferredTensor is materialized"
     if not tensor._storage.has_values:
         raise ValueError("a tensor made on the meta device has no values to materialize")
-    return _apply_views(tensor._storage.replay(), tensor._views).detach()
+    return _apply_views(tensor._storage.replay(reuse=reuse), tensor._views).detach()
 
 
 def random_draws(tensors: list[torch.Tensor]) -> list[RandomDraw]:

@@ -346,6 +346,13 @@ class StrategyExtended:
         """Restore what ``checkpoint_state`` gave, saved under any strategy or none."""
         return obj.load_state_dict(state)
 
+    def checkpoint_shard_templates(self, obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+        """Sharded tensors to read ``obj``'s saved state like, where ``obj`` has none yet (an
+        optimizer before its first step): ``{path in its state: tensor}``. A sharded restore
+        reads every saved tensor under such a path whose shape is the template's as a shard
+        of it (only this worker's part), not whole. None here."""
+        return {}
+
     # -- helpers -------------------------------------------------------------------------------
     def _device_of(self, destination: Any) -> torch.device:
         if destination is None:

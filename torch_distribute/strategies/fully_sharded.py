@@ -54,6 +54,7 @@ from torch_distribute.strategies.mesh import (
     MeshLayout,
     MeshPlace,
     TensorParallelPlan,
+    check_all_matched,
     plan_for,
 )
 from torch_distribute.strategies.sharded_checks import ShardedStepChecks
@@ -162,6 +163,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         self._tensors: dict[int, weakref.ref[torch.Tensor]] = {}
         self._sharding = False
         self._plans: weakref.WeakKeyDictionary[nn.Module, TensorParallelPlan] = weakref.WeakKeyDictionary()
+        self._matched_keys: set[str] = set()  # LayoutMap keys that matched a model sharded so far
 
     # -- topology --------------------------------------------------------------------------
     @property
@@ -294,21 +296,25 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         old = {name_param for root in roots for name_param in _named_tensors(root)}
         # Everything is checked before anything is changed: a refusal halfway would leave the
         # model half done.
-        plans = {root: plan_for(root, self._layout.layout_map if self._layout else None, self._batch_axis)
-                 for root in roots}
+        layout_map = self._layout.layout_map if self._layout is not None else None
+        plans = {root: plan_for(root, layout_map, self._batch_axis) for root in roots}
+        matched = set(self._matched_keys).union(*(plan.matched_keys for plan in plans.values()))
+        check_all_matched(layout_map, matched, roots)
         picked = {root: self._picked_modules(root) for root in roots}
         unset = tensors_without_values(roots)
         if unset and not all(callable(getattr(root, "init_weights", None)) for root in roots):
             raise InvalidArgumentError(
-                    f"{len(unset)} tensors were made on the meta device ({', '.join(unset[:3])}...), so they "
+                f"{len(unset)} tensors were made on the meta device ({', '.join(unset[:3])}...), so they "
                 "have no values; give the model an init_weights() method that sets them after "
                 "sharding, or build it without torch.device('meta'): inside the scope nothing is "
                 "allocated until it is sharded anyway.")
+        sources = TensorSources.collect(roots)
+        self._agree("sharded model", f"{sources.count} tensors (build {sources.signature()}); " + "; ".join(
+            f"{type(root).__name__}: {plans[root].describe()}" for root in roots))
+        self._matched_keys = matched
         self._sharding = True
         try:
-            sources = TensorSources.take(roots)
-            self._agree("sharded model", "; ".join(
-                f"{type(root).__name__}: tensors {sources.signature()}, split {plans[root].describe()}" for root in roots))
+            sources.replace_with_stand_ins()
             if self._num_workers > 1:
                 sources.sync_from_chief(self.worker_group)
             for root in roots:
@@ -429,6 +435,14 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
                 per_param[index] = {k: _like(v, param) for k, v in values.items()}
             return obj.load_state_dict({**state, "state": per_param})
         return obj.load_state_dict(state)
+
+
+    def checkpoint_shard_templates(self, obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+        """An optimizer's state per parameter (``exp_avg``...) is sharded like the parameter."""
+        if not isinstance(obj, torch.optim.Optimizer):
+            return {}
+        params = [p for group in obj.param_groups for p in group["params"]]
+        return {("state", index): param for index, param in enumerate(params) if is_dtensor(param)}
 
 
 def _like(value: Any, target: Any) -> Any:

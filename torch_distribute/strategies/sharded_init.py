@@ -2,8 +2,8 @@
 meta device, the stand-ins split (tensor parallelism, then FSDP2), each worker's shards
 allocated, then filled one tensor at a time from where its values come from.
 
-``TensorSources.take(roots)`` records where each parameter and buffer of the module trees
-gets its values, and puts a meta stand-in in its place (a tensor registered in two modules,
+``TensorSources.collect(roots)`` records where each parameter and buffer of the module trees
+gets its values; ``replace_with_stand_ins()`` then puts a meta stand-in in its place (a tensor registered in two modules,
 tied weights, stays one stand-in):
 
 - a ``DeferredTensor`` (``deferred_init.py``): its recorded writes, replayed;
@@ -47,6 +47,7 @@ from torch_distribute.strategies.deferred_init import (
     random_draws,
     realized_by,
     recipe_signature,
+    release_buffers,
 )
 from torch_distribute.values import is_dtensor
 
@@ -71,8 +72,9 @@ class _Source:
         return not is_deferred(self.value) or has_values(self.value)
 
     def whole(self) -> torch.Tensor:
+        """The values (for a deferred tensor: in a buffer the next call reuses)."""
         if is_deferred(self.value):
-            return materialize(self.value)
+            return materialize(self.value, reuse=True)
         return self.value.detach()
 
 
@@ -84,10 +86,9 @@ class TensorSources:
         self._sources = sources
 
     @classmethod
-    def take(cls, roots: list[nn.Module]) -> TensorSources:
-        """Record every parameter and buffer of ``roots`` and replace it with a meta stand-in."""
+    def collect(cls, roots: list[nn.Module]) -> TensorSources:
+        """Record every parameter and buffer of ``roots`` (nothing is changed yet)."""
         sources: dict[int, _Source] = {}
-        stand_ins: dict[int, torch.Tensor] = {}
         for root in roots:
             for prefix, module in root.named_modules(remove_duplicate=False):
                 named = [(False, n, t) for n, t in module.named_parameters(recurse=False, remove_duplicate=False)]
@@ -95,14 +96,24 @@ class TensorSources:
                 for is_buffer, name, tensor in named:
                     if is_dtensor(tensor) or (tensor.is_meta and not is_deferred(tensor)):
                         continue
-                    key = id(tensor)
-                    if key not in sources:
-                        sources[key] = _Source(f"{prefix}.{name}" if prefix else name, tensor, [])
-                        stand_ins[key] = _stand_in(tensor, is_buffer)
-                    if (module, name, is_buffer) not in sources[key].places:
-                        sources[key].places.append((module, name, is_buffer))
-                    setattr(module, name, stand_ins[key])  # a buffer stays one, persistent or not
+                    source = sources.setdefault(id(tensor), _Source(f"{prefix}.{name}" if prefix else name, tensor, []))
+                    if (module, name, is_buffer) not in source.places:
+                        source.places.append((module, name, is_buffer))
         return cls(list(sources.values()))
+
+    @classmethod
+    def take(cls, roots: list[nn.Module]) -> TensorSources:
+        """``collect``, then ``replace_with_stand_ins``."""
+        sources = cls.collect(roots)
+        sources.replace_with_stand_ins()
+        return sources
+
+    def replace_with_stand_ins(self) -> None:
+        """Put a meta stand-in in every recorded place (one per tensor: tied ones stay tied)."""
+        for source in self._sources:
+            stand_in = _stand_in(source.value, source.places[0][2])
+            for module, name, _ in source.places:
+                setattr(module, name, stand_in)  # a buffer stays one, persistent or not
 
     @property
     def count(self) -> int:
@@ -140,14 +151,14 @@ class TensorSources:
     def fill(self) -> None:
         """Write every taken tensor's values into the sharded (or whole) tensor now in its
         place, one tensor at a time."""
-        for source in self._sources:
-            if not source.has_values:
-                continue
-            module, name, _ = source.places[0]
-            target = getattr(module, name)
-            whole = source.whole()
-            _write_part(target, whole)
-            del whole
+        try:
+            for source in self._sources:
+                if not source.has_values:
+                    continue
+                module, name, _ = source.places[0]
+                _write_part(getattr(module, name), source.whole())
+        finally:
+            release_buffers()
 
 
 def tensors_without_values(roots: list[nn.Module]) -> list[str]:
@@ -173,11 +184,37 @@ def _stand_in(tensor: torch.Tensor, is_buffer: bool) -> torch.Tensor:
 def _write_part(target: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy this worker's part of ``whole`` into ``target`` (a DTensor's local shard, or a
     whole tensor)."""
-    if is_dtensor(target):
+    if not is_dtensor(target):
+        target.copy_(whole)
+        return
+    dtensor: Any = target
+    local = dtensor.to_local()
+    part = _local_view(whole, dtensor.device_mesh, dtensor.placements)
+    if part is None:  # placements the view below does not cover (FSDP2's strided shards)
         from torch.distributed.tensor import distribute_tensor
 
-        dtensor: Any = target
-        part = distribute_tensor(whole.detach(), dtensor.device_mesh, dtensor.placements, src_data_rank=None)
-        dtensor.to_local().copy_(part.to_local())
-        return
-    target.copy_(whole)
+        part = distribute_tensor(whole.detach(), dtensor.device_mesh, dtensor.placements,
+                                 src_data_rank=None).to_local()
+    local.copy_(part)
+
+
+def _local_view(whole: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor | None:
+    """This worker's part of ``whole`` as a view (no copy), for ``Shard`` and ``Replicate``
+    placements (DTensor's own split: ``torch.chunk`` along each sharded dimension, in mesh
+    order); None for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    part = whole
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            return None
+        dim = placement.dim if placement.dim >= 0 else placement.dim + whole.dim()
+        chunks = torch.chunk(part, mesh.size(mesh_dim), dim=dim)
+        index = coordinate[mesh_dim]
+        part = chunks[index] if index < len(chunks) else part.narrow(dim, 0, 0)
+    return part

@@ -8,7 +8,7 @@ which replica a worker belongs to.
 
 from torch_distribute.strategies.mesh.device_mesh import DeviceMesh
 from torch_distribute.strategies.mesh.layout_map import LayoutMap
-from torch_distribute.strategies.mesh.plan import TensorParallelPlan, plan_for
+from torch_distribute.strategies.mesh.plan import TensorParallelPlan, check_all_matched, plan_for
 from torch_distribute.strategies.mesh.topology import MeshLayout, MeshPlace
 
-__all__ = ["DeviceMesh", "LayoutMap", "MeshLayout", "MeshPlace", "TensorParallelPlan", "plan_for"]
+__all__ = ["DeviceMesh", "LayoutMap", "MeshLayout", "MeshPlace", "TensorParallelPlan", "check_all_matched", "plan_for"]

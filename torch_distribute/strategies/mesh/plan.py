@@ -39,7 +39,9 @@ and torch styles on modules they do not support.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,7 @@ from torch import nn
 from torch_distribute.errors import LayoutError
 from torch_distribute.strategies.mesh.layout_map import OUTPUT_SUFFIX, LayoutMap, is_parallel_style
 
-__all__ = ["TensorParallelPlan", "plan_for"]
+__all__ = ["TensorParallelPlan", "check_all_matched", "plan_for"]
 
 _SPLITTABLE = (nn.Linear, nn.Embedding)
 _SEQUENCE_LOCAL = (nn.LayerNorm, nn.Dropout, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
@@ -62,15 +64,22 @@ class TensorParallelPlan:
     axis_size: int
     styles: dict[str, Any] = field(default_factory=dict)
     split_parameters: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
+    matched_keys: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
         return not self.styles
 
     def describe(self) -> str:
-        """The plan as text, equal on every worker that made the same plan."""
-        styles = ";".join(f"{path}={style!r}" for path, style in sorted(self.styles.items()))
-        return f"axis {self.axis} x{self.axis_size}: {styles}"
+        """The plan in a few words and a digest of all of it: equal on every worker that
+        made the same plan, short enough to read in a mismatch error."""
+        if not self.styles:
+            return "no tensor parallelism"
+        whole = ";".join(f"{path}={style!r}" for path, style in sorted(self.styles.items()))
+        kinds = Counter(type(style).__name__ for style in self.styles.values())
+        counted = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        digest = hashlib.sha256(whole.encode()).hexdigest()[:12]
+        return f"{len(self.styles)} modules split over {self.axis!r} x{self.axis_size} ({counted}; plan {digest})"
 
     def apply(self, root: nn.Module, axis_mesh: Any) -> None:
         """Split ``root``'s modules over ``axis_mesh`` (torch's 1-D mesh of the model axis).
@@ -102,21 +111,26 @@ def plan_for(root: nn.Module, layout_map: LayoutMap | None, batch_axis: str) -> 
     output_keys = [k for k, v in layout_map.items() if not is_parallel_style(v) and k.endswith(OUTPUT_SUFFIX)]
     style_keys = [k for k, v in layout_map.items() if is_parallel_style(v)]
 
-    layouts = _parameter_layouts(parameters, layout_map, parameter_keys, axis, batch_axis, plan.axis_size)
+    layouts = _parameter_layouts(parameters, layout_map, parameter_keys, axis, batch_axis, plan.axis_size,
+                                 plan.matched_keys)
     plan.split_parameters = {p: layout for p, layout in layouts.items() if any(a is not None for a in layout)}
     roles = _roles(modules, layouts, axis)
-    sequence_dim, outputs = _output_layouts(modules, layout_map, output_keys, axis, batch_axis)
+    sequence_dim, outputs = _output_layouts(modules, layout_map, output_keys, axis, batch_axis, plan.matched_keys)
     for path, (role, module) in roles.items():
         plan.styles[path] = _style(role, module, path, roles, sequence_dim)
     for path, dim in outputs.items():
+        if path in roles:
+            if roles[path][0] == "colwise":
+                raise LayoutError(
+                    f"{path!r} is split colwise, so its output is split along its features; give the "
+                    "sequence-split output layout to a module after it (a norm, the block).")
+            continue  # a rowwise layer already hands its output on split along the sequence
         plan.styles[path] = _sequence_style(modules[path], dim)
     for key in style_keys:
         style = layout_map[key]
         paths = _module_paths(modules, key)
-        if not paths:
-            raise LayoutError(
-                f"The LayoutMap key {key!r} (a {type(style).__name__}) matches no module of "
-                f"{type(root).__name__}; modules are named like {_examples(modules)}.")
+        if paths:
+            plan.matched_keys.add(key)
         for path in paths:
             if path in plan.styles:
                 raise LayoutError(
@@ -127,16 +141,37 @@ def plan_for(root: nn.Module, layout_map: LayoutMap | None, batch_axis: str) -> 
     return plan
 
 
+def check_all_matched(layout_map: LayoutMap | None, matched: set[str], roots: list[nn.Module]) -> None:
+    """Raise ``LayoutError`` for a key of ``layout_map`` that matched nothing in ``roots`` (nor
+    in any model ``matched`` was gathered from)."""
+    if layout_map is None:
+        return
+    unmatched = [key for key in layout_map if key not in matched]
+    if not unmatched:
+        return
+    key = unmatched[0]
+    value = layout_map[key]
+    names: dict[str, Any]
+    if is_parallel_style(value) or key.endswith(OUTPUT_SUFFIX):
+        names = {name: None for root in roots for name, _ in root.named_modules() if name}
+        what = "module" if is_parallel_style(value) else f"module output (module path + {OUTPUT_SUFFIX!r})"
+    else:
+        names = {name: None for root in roots for name, _ in root.named_parameters()}
+        what = "parameter"
+    raise LayoutError(
+        f"The LayoutMap key {key!r} matches no {what} of {', '.join(type(r).__name__ for r in roots)}; "
+        f"they are named like {_examples(names)}. Fix the pattern or remove it"
+        + (f" (also unmatched: {unmatched[1:]})." if len(unmatched) > 1 else "."))
+
+
 def _parameter_layouts(parameters: dict[str, nn.Parameter], layout_map: LayoutMap, keys: list[str], axis: str,
-                       batch_axis: str, axis_size: int) -> dict[str, tuple[str | None, ...]]:
+                       batch_axis: str, axis_size: int, matched_keys: set[str]) -> dict[str, tuple[str | None, ...]]:
     layouts: dict[str, tuple[str | None, ...]] = {}
     owner: dict[str, str] = {}
     for key in keys:
         matched = [path for path in parameters if re.search(key, path)]
-        if not matched:
-            raise LayoutError(
-                f"The LayoutMap key {key!r} matches no parameter; parameters are named like "
-                f"{_examples(parameters)}.")
+        if matched:
+            matched_keys.add(key)
         layout = tuple(layout_map[key])  # the key itself: its own entry
         for path in matched:
             if path in owner:
@@ -208,17 +243,15 @@ def _roles(modules: dict[str, nn.Module], layouts: dict[str, tuple[str | None, .
 
 
 def _output_layouts(modules: dict[str, nn.Module], layout_map: LayoutMap, keys: list[str], axis: str,
-                    batch_axis: str) -> tuple[int | None, dict[str, int]]:
+                    batch_axis: str, matched_keys: set[str]) -> tuple[int | None, dict[str, int]]:
     """The sequence dimension split by output layouts (None: none is), and the modules whose
     output is split along it."""
     outputs: dict[str, int] = {}
     for key in keys:
         layout = tuple(layout_map[key])
         matched = [path for path in modules if path and re.search(key, path + OUTPUT_SUFFIX)]
-        if not matched:
-            raise LayoutError(
-                f"The LayoutMap key {key!r} matches the output of no module; modules are named like "
-                f"{_examples(modules)} (add {OUTPUT_SUFFIX!r}).")
+        if matched:
+            matched_keys.add(key)
         split = [d for d, a in enumerate(layout) if a == axis]
         if any(a not in (None, axis, batch_axis) for a in layout) or (batch_axis in layout[1:]):
             raise LayoutError(
