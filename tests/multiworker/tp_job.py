@@ -24,8 +24,8 @@ section is recorded instead of ending the job. Sections, in order:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ctypes
+import hashlib
 import os
 import resource
 import sys

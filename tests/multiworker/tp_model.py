@@ -235,8 +235,9 @@ def llama_layout_map(mesh: Any) -> Any:
 
 def train_llama(strategy: Any = None, steps: int = 3) -> dict:
     """Train a tiny Llama (``transformers``) on the GPT's batches (``strategy`` None: one process)."""
-    import torch_distribute as td
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torch_distribute as td
 
     torch.manual_seed(SEED)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():

@@ -146,11 +146,16 @@ class _Storage:
 
 class DeferredTensor(torch.Tensor):
     """A tensor whose values are recorded, not computed, until the strategy shards it (see
-    the module docstring). It reports its real device, shape and dtype."""
+    the module docstring). It reports its real device, shape and dtype.
 
-    _storage: _Storage
-    _views: tuple[Any, ...]
-    _meta: torch.Tensor
+    ``deferred_storage``: the whole tensor's record, shared by its views; ``deferred_views``:
+    how this one is reached from it; ``deferred_meta``: a meta tensor of this one's shape
+    (for shape checks). This module's own; read through the functions below.
+    """
+
+    deferred_storage: _Storage
+    deferred_views: tuple[Any, ...]
+    deferred_meta: torch.Tensor
 
     @staticmethod
     def __new__(cls, storage: _Storage, views: tuple[Any, ...], meta: torch.Tensor,
@@ -158,29 +163,30 @@ class DeferredTensor(torch.Tensor):
         tensor = torch.Tensor._make_wrapper_subclass(
             cls, meta.size(), strides=meta.stride(), storage_offset=meta.storage_offset(),
             dtype=meta.dtype, device=storage.device, requires_grad=requires_grad)
-        tensor._storage = storage
-        tensor._views = views
-        tensor._meta = meta
+        tensor.deferred_storage = storage
+        tensor.deferred_views = views
+        tensor.deferred_meta = meta
         return tensor
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        if self._storage.realized is not None:
-            return f"DeferredTensor({self._real()!r})"
+        if self.deferred_storage.realized is not None:
+            return f"DeferredTensor({self.real_view()!r})"
         return (f"DeferredTensor(size={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: "
                 "values computed where the strategy shards it)")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        return (_rebuild_real, (self._real_copy(),))
+        return (_rebuild_real, (self.real_copy(),))
 
-    def _real(self) -> torch.Tensor:
-        """This view of the realized storage."""
-        if self._storage.realized is None:
-            _realize(self._storage, "reading it")
-        assert self._storage.realized is not None
-        return _apply_views(self._storage.realized, self._views)
+    def real_view(self) -> torch.Tensor:
+        """This view of the storage, made whole now if it was not yet (``realize``)."""
+        if self.deferred_storage.realized is None:
+            _realize(self.deferred_storage, "reading it")
+        assert self.deferred_storage.realized is not None
+        return _apply_views(self.deferred_storage.realized, self.deferred_views)
 
-    def _real_copy(self) -> torch.Tensor:
-        return self._real().detach().clone()
+    def real_copy(self) -> torch.Tensor:
+        """A copy of ``real_view()``."""
+        return self.real_view().detach().clone()
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
@@ -190,7 +196,7 @@ class DeferredTensor(torch.Tensor):
         deferred = [a for a in flat if isinstance(a, DeferredTensor)]
         packet = func.overloadpacket
         target = args[0] if args else None
-        if isinstance(target, DeferredTensor) and target._storage.realized is None and len(deferred) == 1:
+        if isinstance(target, DeferredTensor) and target.deferred_storage.realized is None and len(deferred) == 1:
             if func.is_view:
                 return _view(func, target, args, kwargs)
             if _writes_first_argument(func) and "out" not in kwargs:
@@ -199,8 +205,8 @@ class DeferredTensor(torch.Tensor):
         if packet in _METADATA_ONLY:
             return func(*tree_map(_shape_proxy, args), **tree_map(_shape_proxy, kwargs))
         for tensor in deferred:
-            if tensor._storage.realized is None:
-                _realize(tensor._storage, str(packet))
+            if tensor.deferred_storage.realized is None:
+                _realize(tensor.deferred_storage, str(packet))
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if _writes_first_argument(func) and isinstance(target, DeferredTensor):
             return target
@@ -227,19 +233,19 @@ def _apply_views(whole: torch.Tensor, views: tuple[Any, ...]) -> torch.Tensor:
 
 
 def _view(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> Any:
-    meta_out = func(target._meta, *args[1:], **kwargs)
+    meta_out = func(target.deferred_meta, *args[1:], **kwargs)
     if isinstance(meta_out, torch.Tensor):
-        return DeferredTensor(target._storage, (*target._views, (func, args[1:], kwargs, None)), meta_out)
+        return DeferredTensor(target.deferred_storage, (*target.deferred_views, (func, args[1:], kwargs, None)), meta_out)
     return type(meta_out)(
-        DeferredTensor(target._storage, (*target._views, (func, args[1:], kwargs, k)), m)
+        DeferredTensor(target.deferred_storage, (*target.deferred_views, (func, args[1:], kwargs, k)), m)
         for k, m in enumerate(meta_out))
 
 
 def _record(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> None:
-    storage = target._storage
+    storage = target.deferred_storage
     # Checked on meta tensors first: a wrong shape fails here, as it would have eagerly.
     meta_kwargs = {k: v for k, v in tree_map(_meta_of, kwargs).items() if k != "generator"}
-    func(target._meta, *tree_map(_meta_of, args[1:]), **meta_kwargs)
+    func(target.deferred_meta, *tree_map(_meta_of, args[1:]), **meta_kwargs)
     if not storage.has_values:
         return  # a meta tensor stays a meta tensor: nothing to draw, nothing to replay
     draw = None
@@ -247,9 +253,9 @@ def _record(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> Non
         draw = _draw(func, target, args, kwargs)
         if draw is None:
             _realize(storage, f"{func.overloadpacket} on {storage.device}")
-            func(target._real(), *args[1:], **kwargs)
+            func(target.real_view(), *args[1:], **kwargs)
             return
-    write = _Write(target._views, func, tuple(args[1:]), dict(kwargs), draw)
+    write = _Write(target.deferred_views, func, tuple(args[1:]), dict(kwargs), draw)
     if func.overloadpacket in _OVERWRITES and _covers_storage(target):
         storage.initial = None
         storage.writes = [write]
@@ -258,7 +264,7 @@ def _record(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> Non
 
 
 def _covers_storage(view: DeferredTensor) -> bool:
-    storage = view._storage
+    storage = view.deferred_storage
     return (tuple(view.shape) == storage.size and tuple(view.stride()) == storage.stride
             and view.storage_offset() == 0)
 
@@ -266,7 +272,7 @@ def _covers_storage(view: DeferredTensor) -> bool:
 def _draw(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> RandomDraw | None:
     """The generator state before ``func`` draws; the draw itself made on a scratch tensor
     of the target's size, so that the generator moves on as it would have."""
-    device = target._storage.device
+    device = target.deferred_storage.device
     generator = kwargs.get("generator")
     explicit = generator is not None
     if generator is None:
@@ -339,12 +345,12 @@ def _realize(storage: _Storage, reason: str) -> None:
 
 
 def _unwrap(value: Any) -> Any:
-    return value._real() if isinstance(value, DeferredTensor) else value
+    return value.real_view() if isinstance(value, DeferredTensor) else value
 
 
 def _meta_of(value: Any) -> Any:
     if isinstance(value, DeferredTensor):
-        return value._meta
+        return value.deferred_meta
     if isinstance(value, torch.Tensor) and not value.is_meta:
         return value.to("meta")
     return value
@@ -382,7 +388,7 @@ def is_deferred(tensor: Any) -> TypeGuard[DeferredTensor]:
 
 def has_values(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` can be materialized (False: it was made on the meta device)."""
-    return not is_deferred(tensor) or tensor._storage.has_values
+    return not is_deferred(tensor) or tensor.deferred_storage.has_values
 
 
 def materialize(tensor: torch.Tensor, reuse: bool = False) -> torch.Tensor:
@@ -393,9 +399,9 @@ def materialize(tensor: torch.Tensor, reuse: bool = False) -> torch.Tensor:
     materializing tensors one after the other holds one at a time.
     """
     assert is_deferred(tensor), "only a DeferredTensor is materialized"
-    if not tensor._storage.has_values:
+    if not tensor.deferred_storage.has_values:
         raise ValueError("a tensor made on the meta device has no values to materialize")
-    return _apply_views(tensor._storage.replay(reuse=reuse), tensor._views).detach()
+    return _apply_views(tensor.deferred_storage.replay(reuse=reuse), tensor.deferred_views).detach()
 
 
 def random_draws(tensors: list[torch.Tensor]) -> list[RandomDraw]:
@@ -406,7 +412,7 @@ def random_draws(tensors: list[torch.Tensor]) -> list[RandomDraw]:
     for tensor in tensors:
         if not is_deferred(tensor):
             continue
-        storage = tensor._storage
+        storage = tensor.deferred_storage
         if id(storage) in seen:
             continue
         seen.add(id(storage))
@@ -417,7 +423,7 @@ def random_draws(tensors: list[torch.Tensor]) -> list[RandomDraw]:
 def realized_by(tensor: torch.Tensor) -> str | None:
     """What made ``tensor`` whole before it was sharded (None: it never was, or it is not
     deferred)."""
-    return tensor._storage.realized_by if is_deferred(tensor) else None
+    return tensor.deferred_storage.realized_by if is_deferred(tensor) else None
 
 
 def recipe_signature(tensor: torch.Tensor) -> str:
@@ -425,7 +431,7 @@ def recipe_signature(tensor: torch.Tensor) -> str:
     every worker that built the same model."""
     if not is_deferred(tensor):
         return f"{tuple(tensor.shape)}:{tensor.dtype}"
-    storage = tensor._storage
+    storage = tensor.deferred_storage
     ops = ",".join(str(w.func) for w in storage.writes)
     return f"{storage.size}:{storage.dtype}:{int(storage.initial is not None)}:{ops}"
 

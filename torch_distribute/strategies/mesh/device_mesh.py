@@ -109,7 +109,7 @@ class DeviceMesh:
         return init_device_mesh(device_type, self._shape, mesh_dim_names=self._names)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and (self._shape, self._names) == (other._shape, other._names)
+        return isinstance(other, DeviceMesh) and (self._shape, self._names) == (other.shape, other.axis_names)
 
     def __hash__(self) -> int:
         return hash((self._shape, self._names))
