@@ -177,11 +177,11 @@ def test_bf16_mixed_precision_on_the_mesh_tracks_float32(job, reference):
 
 # -- 3. checkpoints reshard between meshes ---------------------------------------------------------
 @pytest.mark.timeout(300)
-def test_checkpoint_from_2x2_restores_on_4x1_1x4_and_one_process(job):
+def test_checkpoint_from_2x2_restores_on_4x1_1x4_and_one_process(job, reference):
     """3 steps on (2, 2), saved; restored on (4, 1), on (1, 4) and here without a strategy,
     then 2 more steps: all end where 5 uninterrupted steps end. Each worker read only its
     shards of the parameters and of AdamW's state (which did not exist before the restore)."""
-    want = M.train(None)
+    want = reference
     values = _section(job, "checkpoint")
     whole = values[0]["whole_numel"]
     for shape in ("41", "14"):
@@ -227,7 +227,7 @@ def test_a_worker_with_another_layout_or_mesh_is_a_named_error(job):
 # -- 6. memory -------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_training_state_larger_than_a_worker_may_hold_trains_on_four(job):
-    """A 128 MiB stack of nn.Linear (512 MiB with gradients and Adam's two moments) trains on
+    """A 128 MiB stack of nn.Linear (512 MiB with gradients and Adam's two moments) trains a step on
     (2, 2) with each worker's address space limited to 0.6 x that; its resident memory grew
     by at most 0.6 x the whole training state."""
     for rank, value in _section(job, "memory").items():
@@ -475,3 +475,67 @@ def test_model_built_on_the_meta_device_needs_init_weights():
         with pytest.raises(td.InvalidArgumentError, match="meta device.*init_weights"):
             with strategy.scope(), torch.device("meta"):
                 model = nn.Linear(4, 4)  # noqa: F841 - held: a module gone is never sharded
+
+
+# -- 9. a compiled step on the mesh -------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_td_function_step_with_a_layout_equals_eager():
+    """A Megatron MLP pair split by a layout map on a one-worker (1, 1) mesh (DTensors in the
+    graph) trained by a ``td.function`` step: one process's values, no recompilation per step."""
+    def build():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    data = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(s)), torch.randn(4, 4)) for s in range(3)]
+    torch.manual_seed(0)
+    eager = build()
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=1e-2, eps=1e-4)
+    for x, y in data:
+        (eager(x) - y).square().sum(1).mean().backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+    torch._dynamo.reset()
+    layout_map = _layout_map((1, 1), **{r"^0\.weight": ("model", None), r"^2\.weight": (None, "model")})
+    try:
+        with _one_worker(layout_map=layout_map) as strategy:
+            torch.manual_seed(0)
+            with strategy.scope():
+                model = build()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+            assert strategy.extended.tensor_parallel_plan(model) is not None
+
+            def replica_step(x, y):
+                loss = td.compute_average_loss((model(x) - y).square().sum(1), global_batch_size=4)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                return loss
+
+            @td.function
+            def step(x, y):
+                return strategy.reduce("sum", strategy.run(replica_step, args=(x, y)), axis=None)
+
+            for x, y in data:
+                step(x, y)
+            traced = step.experimental_get_tracing_count()
+            got = torch.cat([p.detach().full_tensor().reshape(-1) for p in model.parameters()])
+    finally:
+        torch._dynamo.reset()
+    want = torch.cat([p.detach().reshape(-1) for p in eager.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
+    assert 1 <= traced <= 12  # the step's graphs, traced once (not once per step)
+
+
+# -- 10. the example ------------------------------------------------------------------------------------
+@pytest.mark.timeout(200)
+def test_the_example_trains_on_two_workers_with_sequence_parallelism():
+    text = _launch([str(REPO / "examples" / "gpt_tensor_parallel.py"), "--mesh", "1,2", "--sequence-parallel",
+                    "--steps", "12", "--layers", "1", "--width", "64", "--seq-len", "16",
+                    "--global-batch-size", "4", "--lr", "3e-3", "--val-batches", "1", "--log-every", "6"], 2)
+    results = P.parse_results(text, "GPTRESULT ")
+    assert sorted(results) == [0, 1], text[-4000:]
+    for result in results.values():
+        assert result["mesh"] == [1, 2] and result["steps"] == 12
+        assert result["last_loss"] < result["first_loss"]
+        assert result["local_bytes"] < 0.8 * result["whole_bytes"]
+        assert result["last_loss"] == results[0]["last_loss"]
