@@ -37,7 +37,7 @@ overwrite. A tensor registered on the meta device has no values to record
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -46,6 +46,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_distribute import log
+from torch_distribute.errors import InvalidArgumentError
 
 __all__ = [
     "DeferredTensor",
@@ -330,8 +331,6 @@ def _generator_state(device: torch.device, state: torch.Tensor) -> Iterator[None
 
 def _realize(storage: _Storage, reason: str) -> None:
     if not storage.has_values:
-        from torch_distribute.errors import InvalidArgumentError
-
         raise InvalidArgumentError(
             f"A tensor made on the meta device (size {storage.size}) was read ({reason}) before the "
             "strategy materialized it. Leave out torch.device('meta') inside the strategy's scope: "
@@ -435,5 +434,3 @@ def recipe_signature(tensor: torch.Tensor) -> str:
     ops = ",".join(str(w.func) for w in storage.writes)
     return f"{storage.size}:{storage.dtype}:{int(storage.initial is not None)}:{ops}"
 
-
-Materializer = Callable[[DeferredTensor], torch.Tensor]

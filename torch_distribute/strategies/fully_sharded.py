@@ -436,7 +436,6 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
             return obj.load_state_dict({**state, "state": per_param})
         return obj.load_state_dict(state)
 
-
     def checkpoint_shard_templates(self, obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
         """An optimizer's state per parameter (``exp_avg``...) is sharded like the parameter."""
         if not isinstance(obj, torch.optim.Optimizer):
@@ -516,7 +515,7 @@ class FullyShardedStrategy(Strategy):
       positions are the replicas; the layers the layout map names are split over the other
       axis (torch's ``parallelize_module``), and FSDP2 shards what each worker holds over
       the batch axis. A dict of torch ``ParallelStyle``s is accepted as the layout map too.
-      See docs/tensor-parallelism.md.
+      See docs/strategies/tensor-parallelism.md.
 
     A model built in the scope is never whole on any worker: each worker allocates only its
     shards and fills them with the values one device would have built for the same seed
