@@ -36,7 +36,7 @@ import torch_distribute as td
 from torch_distribute.cluster import SimpleClusterResolver
 from torch_distribute.cluster.launcher import launch
 from torch_distribute.strategies.deferred_init import defer, is_deferred, materialize, realized_by
-from torch_distribute.strategies.mesh import plan_for
+from torch_distribute.strategies.mesh import check_all_matched, plan_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "multiworker"))
 import proc_helpers as P  # noqa: E402
@@ -264,12 +264,11 @@ def _layout_map(shape=(1, 2), **entries):
 
 
 def _plan(model, entries, shape=(1, 2)):
+    """The plan for ``model`` of a layout map with ``entries`` (keys as given, not kwargs)."""
     layout_map = td.LayoutMap(td.DeviceMesh(shape, ("data", "model")))
     for key, layout in entries.items():
         layout_map[key] = layout
     plan = plan_for(model, layout_map, "data")
-    from torch_distribute.strategies.mesh import check_all_matched
-
     check_all_matched(layout_map, plan.matched_keys, [model])
     return plan
 
