@@ -31,6 +31,8 @@ PACKAGE = pathlib.Path(td.__file__).parent
 ALLOWED = {
     ("checkpoint/object_graph.py", "_objects"),  # Checkpoint reading a nested Checkpoint
     ("checkpoint/object_graph.py", "_load"),
+    ("checkpoint/object_graph.py", "_shard_templates"),
+    ("strategies/deferred_init.py", "_schema"),  # OpOverload._schema: which argument an operator writes
     ("checkpoint/object_graph.py", "_metadata"),  # torch's state-dict version metadata
     ("cluster/cluster_spec.py", "_jobs"),  # ClusterSpec comparing with another ClusterSpec
     ("keras/losses.py", "_Loss"),  # torch.nn.modules.loss._Loss, the base of torch's losses

@@ -109,3 +109,9 @@ class OutOfRangeError(DistributeError, RuntimeError):
 class JobAuthenticationError(DistributeError, PermissionError):
     """A process did not prove the job secret (``TD_JOB_SECRET``): it is refused, not joined.
     Give every process of the job the same secret (docs/security.md)."""
+
+
+class LayoutError(DistributeError, ValueError):
+    """A device mesh or layout that cannot work for the model: an axis that does not divide a
+    dimension, a pattern that matches nothing, a module tensor parallelism cannot split, or
+    workers that disagree on the layout."""

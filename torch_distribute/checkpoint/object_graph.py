@@ -323,6 +323,19 @@ class Checkpoint:
         return CheckpointLoadStatus(path, missing, unexpected)
 
 
+    def _shard_templates(self, prefix: tuple[Any, ...]) -> dict[tuple[Any, ...], torch.Tensor]:
+        """Every object's ``checkpoint_shard_templates``, under its path in the payload."""
+        templates: dict[tuple[Any, ...], torch.Tensor] = {}
+        for name, obj in self._objects.items():
+            if isinstance(obj, Checkpoint):
+                templates.update(obj._shard_templates((*prefix, name, "objects")))
+                continue
+            strategy = None if isinstance(obj, torch.Tensor) else _object_strategy(obj)
+            if strategy is not None:
+                for path, tensor in strategy.extended.checkpoint_shard_templates(obj).items():
+                    templates[prefix + (name, *path)] = tensor
+        return templates
+
     def _read_sharded(self, path: str) -> dict[str, Any]:
         """Read a sharded checkpoint: the shards of objects that are sharded here, every
         other tensor whole."""
@@ -331,10 +344,12 @@ class Checkpoint:
         from torch_distribute.checkpoint.sharded_io import read_sharded, split_tensors
 
         targets: dict[str, torch.Tensor] = {}
+        templates: dict[tuple[Any, ...], torch.Tensor] = {}
         if owning_strategy([self]).extended.checkpoint_is_sharded:
             _, targets = split_tensors({"objects": self.state_dict()["objects"]})
+            templates = self._shard_templates(("objects",))
         try:
-            payload = read_sharded(path, targets)
+            payload = read_sharded(path, targets, templates)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"Sharded checkpoint {path!r} could not be read: {exc}") from exc
         except CheckpointError:

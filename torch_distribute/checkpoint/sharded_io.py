@@ -341,12 +341,15 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
+def read_sharded(path: str, targets: dict[str, torch.Tensor],
+                 templates: dict[tuple[Any, ...], torch.Tensor] | None = None) -> Any:
     """The payload of the sharded checkpoint ``path``, read by this process alone.
 
     ``targets``: ``{key: tensor}`` (from ``split_tensors`` of the objects' current states);
     where one is a DTensor of the saved shape, only this worker's shard is read into a
-    DTensor like it. Every other tensor is read whole, on the CPU.
+    DTensor like it. ``templates``: ``{path: DTensor}`` for states that do not exist yet (an
+    optimizer's before its first step): a saved tensor under a path of the template's shape
+    is read as a shard like it. Every other tensor is read whole, on the CPU.
     """
     layout, checksums = _load_layout(path)
     reader = _VerifyingReader(path, checksums)
@@ -356,6 +359,8 @@ def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
         if not isinstance(item, TensorStorageMetadata):
             continue
         target = targets.get(key)
+        if target is None and templates:
+            target = _template_for(key, templates)
         dtype = item.properties.dtype
         if isinstance(target, DTensor) and tuple(target.shape) == tuple(item.size):
             flat[key] = torch.empty_like(target, dtype=dtype)
@@ -371,6 +376,19 @@ def read_sharded(path: str, targets: dict[str, torch.Tensor]) -> Any:
                 raise reader.failure from None
             raise
     return _join(layout, flat)
+
+
+def _template_for(key: str, templates: dict[tuple[Any, ...], torch.Tensor]) -> torch.Tensor | None:
+    """The template whose path leads to the saved tensor ``key`` (a JSON trail), if any."""
+    try:
+        trail = tuple(json.loads(key))
+    except (ValueError, TypeError):
+        return None
+    for length in range(len(trail) - 1, 0, -1):
+        template = templates.get(trail[:length])
+        if template is not None:
+            return template
+    return None
 
 
 def convert_to_file(source: str, target: str) -> None:

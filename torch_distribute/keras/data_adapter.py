@@ -198,7 +198,7 @@ class DataHandler:
         self.distributed = distributed
         self.steps_per_epoch = steps_per_epoch
         self.input_options = input_options
-        workers = strategy.extended.num_workers_in_sync
+        workers = strategy.extended.num_input_pipelines  # the workers, or the replicas of a mesh
         # Without DATA sharding each worker reads batches of its own: the global rows are summed.
         self._rows_are_global = input_options.auto_shard_policy is AutoShardPolicy.DATA or workers == 1
         # ... and each of its (global) batches makes one step per worker (TensorFlow's rule).
@@ -435,7 +435,7 @@ def _own_sharding(strategy: Strategy, x: Any) -> tuple[Any, InputOptions]:
     """
     if data.options_of(x).experimental_distribute.auto_shard_policy is None:
         return x, DATA_SHARDING
-    workers, index = strategy.extended.num_workers_in_sync, strategy.extended.worker_index
+    workers, index = strategy.extended.num_input_pipelines, strategy.extended.input_pipeline_id
     policy = data.resolve_shard_policy(x, None, workers)
     if policy is AutoShardPolicy.FILE:
         x, policy = x.shard(workers, index), AutoShardPolicy.OFF

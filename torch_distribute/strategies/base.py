@@ -344,8 +344,8 @@ class Strategy:
         return DistributedDataset(
             dataset,
             devices=list(ext.replica_devices),
-            num_workers=ext.num_workers_in_sync,
-            worker_index=ext.worker_index,
+            num_workers=ext.num_input_pipelines,
+            worker_index=ext.input_pipeline_id,
             options=options,
             sync_step=ext.gather_input_reports,
         )
@@ -359,8 +359,8 @@ class Strategy:
         return DatasetFromFunction.from_function(
             dataset_fn,
             list(ext.replica_devices),
-            num_workers=ext.num_workers_in_sync,
-            worker_index=ext.worker_index,
+            num_workers=ext.num_input_pipelines,
+            worker_index=ext.input_pipeline_id,
             replica_id_offset=ext.replica_id_offset,
             num_replicas_in_sync=self.num_replicas_in_sync,
             options=options,

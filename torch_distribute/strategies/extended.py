@@ -97,6 +97,18 @@ class StrategyExtended:
         return self.num_workers_in_sync * self.num_local_replicas
 
     @property
+    def num_input_pipelines(self) -> int:
+        """How many different shares each global batch is cut into between processes: one per
+        worker, unless workers compute one replica together (tensor parallelism), which then
+        read the same share."""
+        return self.num_workers_in_sync
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """Which of the ``num_input_pipelines`` shares this process reads."""
+        return self.worker_index
+
+    @property
     def is_chief(self) -> bool:
         return self.worker_index == 0
 
@@ -339,6 +351,13 @@ class StrategyExtended:
     def load_checkpoint_state(self, obj: Any, state: Any) -> Any:
         """Restore what ``checkpoint_state`` gave, saved under any strategy or none."""
         return obj.load_state_dict(state)
+
+    def checkpoint_shard_templates(self, obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+        """Sharded tensors to read ``obj``'s saved state like, where ``obj`` has none yet (an
+        optimizer before its first step): ``{path in its state: tensor}``. A sharded restore
+        reads every saved tensor under such a path whose shape is the template's as a shard
+        of it (only this worker's part), not whole. None here."""
+        return {}
 
     # -- helpers -------------------------------------------------------------------------------
     def _device_of(self, destination: Any) -> torch.device:

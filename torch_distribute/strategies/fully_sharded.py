@@ -3,10 +3,14 @@
 One process per device, the cluster found as ``MultiWorkerMirroredStrategy`` finds it. The
 engine is PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on a ``DeviceMesh``:
 
-- Modules made in ``scope()`` are recorded; when an optimizer is made in the scope (or the
-  scope is left), every recorded module tree is sharded: first the submodules the shard
-  policy picks, then the root. The chief's initial values are broadcast first, so every
-  worker shards the same tensors.
+- Modules made in ``scope()`` are recorded, their parameters and buffers deferred: the
+  constructor's writes are recorded, not made (``deferred_init.py``), so no worker holds
+  the whole model. When an optimizer is made in the scope (or the scope is left), every
+  recorded module tree is sharded on the meta device: split over the model axis where a
+  ``LayoutMap`` says so (torch's ``parallelize_module``, ``mesh/plan.py``), then FSDP2 on
+  the submodules the shard policy picks and the root; each worker then allocates its shards
+  and fills them one tensor at a time with the chief's initial values
+  (``sharded_init.py``): the values one device would have built.
 - The optimizer then holds the sharded parameters (DTensors): each worker keeps and updates
   only its shard of the parameters and of the optimizer state.
 - In ``run``, FSDP2 gathers each sharded module's parameters for its forward and backward and
@@ -14,12 +18,15 @@ engine is PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on a ``Device
   the global batch (``td.compute_average_loss``) gives the gradient one device would.
 - Checkpoints are written by every worker, its own shards, with
   ``torch.distributed.checkpoint`` (``extended.checkpoint_is_sharded``).
+- On a ``DeviceMesh`` with a model axis (``layout_map=``), a replica is one position along
+  the batch axis: its workers read the same batch, and reductions count it once
+  (``mesh/topology.py``).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +38,7 @@ from torch_distribute.collectives.failure_kind import failure_kind
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import DeviceLike, LogicalDevice, canonicalize
 from torch_distribute.errors import InvalidArgumentError, WorkerUnavailableError
+from torch_distribute.input.step_agreement import StepReport
 from torch_distribute.replica_context import ReplicaContext
 from torch_distribute.strategies.across_workers import (
     AcrossWorkers,
@@ -40,13 +48,24 @@ from torch_distribute.strategies.across_workers import (
     worker_job,
 )
 from torch_distribute.strategies.base import Strategy
+from torch_distribute.strategies.deferred_init import defer, is_deferred
 from torch_distribute.strategies.extended import StrategyExtended, first_tensor
+from torch_distribute.strategies.mesh import (
+    DeviceMesh,
+    LayoutMap,
+    MeshLayout,
+    MeshPlace,
+    TensorParallelPlan,
+    check_all_matched,
+    plan_for,
+)
 from torch_distribute.strategies.sharded_checks import ShardedStepChecks
+from torch_distribute.strategies.sharded_init import TensorSources, tensors_without_values
 from torch_distribute.strategies.single_replica import call_on_this_thread
 from torch_distribute.values import is_dtensor
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 # FSDP2 and DTensor are imported where they are used (about 1 s of CPU at import): a
@@ -102,6 +121,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         reshard_after_forward: bool | int,
         mesh_shape: Sequence[int] | None,
         mixed_precision: MixedPrecisionPolicy | None,
+        layout: MeshLayout | None = None,
     ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -111,15 +131,32 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         self._shard_policy = shard_policy
         self._reshard_after_forward = reshard_after_forward
         self._mixed_precision = mixed_precision or MixedPrecisionPolicy()
-        mesh_shape = _check_mesh_shape(mesh_shape, self._num_workers)
+        mesh_shape = _check_mesh_shape(mesh_shape, self._num_workers) if layout is None else None
+        if layout is not None:
+            layout.mesh.check_workers(self._num_workers)
+        self._layout = layout
+        self._place = MeshPlace(layout.mesh, layout.batch_axis, self._worker_index) if layout is not None else None
         self._group = open_worker_group(resolver, options, (device,), type(strategy).__name__)
-        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
         # FSDP2's collectives run inside forward and backward: each forward, optimizer step,
         # loss-scaling check and clipping is agreed first instead (sharded_checks.py).
         self._checks = (ShardedStepChecks(self._group)
                         if self._num_workers > 1 and self._group.verifies_collectives else None)
-        self._mesh: DeviceMesh = init_device_mesh(device.torch_device.type, mesh_shape, mesh_dim_names=names)
-        self._replica_context = ReplicaContext(strategy, self._worker_index)
+        if layout is not None:
+            # Agreed before torch makes the mesh's groups: workers with different meshes
+            # would otherwise wait for each other's groups forever.
+            self._agree("device mesh", layout.describe())
+            self._mesh: TorchDeviceMesh = layout.mesh.build(device.torch_device.type)
+            self._shard_mesh = self._mesh[layout.batch_axis]
+            axes = self._place.model_axes if self._place is not None else ()
+            self._model_mesh = self._mesh[axes[0]] if axes else None
+        else:
+            assert mesh_shape is not None, "checked above when no layout is given"
+            names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+            self._mesh = init_device_mesh(device.torch_device.type, mesh_shape, mesh_dim_names=names)
+            self._shard_mesh = self._mesh
+            self._model_mesh = None
+        replica = self._place.replica_index if self._place is not None else self._worker_index
+        self._replica_context = ReplicaContext(strategy, replica)
         # Modules made in scope, in creation order, until they are sharded.
         self._pending: list[weakref.ref[nn.Module]] = []
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -127,6 +164,8 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         # Captured tensors by id (tensors compare by value, so no WeakSet); checked by identity.
         self._tensors: dict[int, weakref.ref[torch.Tensor]] = {}
         self._sharding = False
+        self._plans: weakref.WeakKeyDictionary[nn.Module, TensorParallelPlan] = weakref.WeakKeyDictionary()
+        self._matched_keys: set[str] = set()  # LayoutMap keys that matched a model sharded so far
 
     # -- topology --------------------------------------------------------------------------
     @property
@@ -135,9 +174,58 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         return self._group
 
     @property
-    def mesh(self) -> DeviceMesh:
-        """The ``DeviceMesh`` the modules are sharded over (1-D, or (replicate, shard))."""
+    def mesh(self) -> TorchDeviceMesh:
+        """torch's ``DeviceMesh`` the modules are sharded over (1-D, (replicate, shard), or the
+        axes of the strategy's ``td.DeviceMesh``)."""
         return self._mesh
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The ``td.DeviceMesh`` given to the strategy (None: a plain data-parallel mesh)."""
+        return self._layout.mesh if self._layout is not None else None
+
+    def tensor_parallel_plan(self, module: nn.Module) -> TensorParallelPlan | None:
+        """The plan ``module`` (a sharded root) was split with (None: not split over a model axis)."""
+        plan = self._plans.get(module)
+        return plan if plan is not None and not plan.is_empty else None
+
+    # -- replicas on a mesh: a replica is one position along the batch axis --------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._place.num_replicas if self._place is not None else self._num_workers
+
+    @property
+    def replica_id_offset(self) -> int:
+        return self._place.replica_index if self._place is not None else self._worker_index
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self.num_replicas_in_sync
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self.replica_id_offset
+
+    def _speaks_for_replica(self) -> bool:
+        return self._place is None or self._place.speaks_for_replica
+
+    def reduce_across_workers(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Each replica's value counts once: its tensor-parallel peers hold the same one.
+        if not self._speaks_for_replica():
+            tensor = torch.zeros_like(tensor)
+        return super().reduce_across_workers(tensor)
+
+    def gather_across_workers(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if not self._speaks_for_replica():
+            tensor = tensor.narrow(axis, 0, 0)
+        return super().gather_across_workers(tensor, axis)
+
+    def gather_input_reports(self, report: StepReport) -> list[StepReport]:
+        # Each replica's rows count once in the step's global rows: its tensor-parallel peers
+        # read the same batch.
+        if not self._speaks_for_replica():
+            report = StepReport(report.has_data, 0, report.digest)
+        return super().gather_input_reports(report)
 
     @property
     def checkpoint_is_sharded(self) -> bool:
@@ -150,13 +238,14 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         if self._sharding or is_dtensor(tensor) or module in self._roots:
             return None
         self._record(module)
-        device = self.primary_device
-        if tensor.device == device:
+        if is_deferred(tensor) or nn.parameter.is_lazy(tensor):
             self._add_tensor(tensor)
             return None
-        moved = nn.Parameter(tensor.detach().to(device), tensor.requires_grad) if isinstance(tensor, nn.Parameter) else tensor.to(device)
-        self._add_tensor(moved)
-        return moved
+        # Its values are recorded, not made: computed one tensor at a time when sharded.
+        deferred = defer(tensor)
+        replacement = nn.Parameter(deferred, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else deferred
+        self._add_tensor(replacement)
+        return replacement
 
     def capture_submodule(self, parent: nn.Module, name: str, child: nn.Module) -> None:
         # Containers (nn.Sequential, a model class) own no parameter of their own: they are
@@ -214,17 +303,46 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         inside = {id(sub) for m in pending for sub in m.modules() if sub is not m}
         roots = [m for m in pending if id(m) not in inside]
         old = {name_param for root in roots for name_param in _named_tensors(root)}
-        self._broadcast_from_chief(roots)
+        # Everything is checked before anything is changed: a refusal halfway would leave the
+        # model half done.
+        layout_map = self._layout.layout_map if self._layout is not None else None
+        plans = {root: plan_for(root, layout_map, self._batch_axis) for root in roots}
+        matched = set(self._matched_keys).union(*(plan.matched_keys for plan in plans.values()))
+        check_all_matched(layout_map, matched, roots)
+        picked = {root: self._picked_modules(root) for root in roots}
+        unset = tensors_without_values(roots)
+        if unset and not all(callable(getattr(root, "init_weights", None)) for root in roots):
+            raise InvalidArgumentError(
+                f"{len(unset)} tensors were made on the meta device ({', '.join(unset[:3])}...), so they "
+                "have no values; give the model an init_weights() method that sets them after "
+                "sharding, or build it without torch.device('meta'): inside the scope nothing is "
+                "allocated until it is sharded anyway.")
+        sources = TensorSources.collect(roots)
+        self._agree("sharded model", f"{sources.count} tensors (build {sources.signature()}); " + "; ".join(
+            f"{type(root).__name__}: {plans[root].describe()}" for root in roots))
+        self._matched_keys = matched
         self._sharding = True
         try:
+            sources.replace_with_stand_ins()
+            if self._num_workers > 1:
+                sources.sync_from_chief(self.worker_group)
             for root in roots:
                 class_name = type(root).__name__  # fully_shard renames the class (FSDPNet)
-                self._shard_tree(root)
+                if self._model_mesh is not None:
+                    plans[root].apply(root, self._model_mesh)
+                self._plans[root] = plans[root]
+                self._shard_tree(root, picked[root])
                 self._roots.add(root)
                 if self._checks is not None:
                     self._checks.watch_root(root, class_name)
                 for sub in root.modules():
                     self._modules.add(sub)
+            for root in roots:
+                root.to_empty(device=self.primary_device)
+            sources.fill()
+            if unset:
+                for root in roots:
+                    getattr(root, "init_weights")()  # noqa: B009 (a method the model may define)
         finally:
             self._sharding = False
         mapping: dict[nn.Parameter, nn.Parameter] = {}
@@ -238,28 +356,22 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
                 self._add_tensor(root.get_buffer(name))
         return mapping
 
-    def _broadcast_from_chief(self, roots: list[nn.Module]) -> None:
-        """Every worker shards the chief's values (each worker's own seed drew its own)."""
-        if self._num_workers == 1:
-            return
-        tensors = []
-        seen: set[int] = set()
-        for root in roots:
-            for tensor in [*root.parameters(), *root.buffers()]:
-                if id(tensor) not in seen and not is_dtensor(tensor):
-                    seen.add(id(tensor))
-                    tensors.append(tensor.data)
-        self._group.broadcast_packed_(tensors, src=0, what="initial broadcast from the chief")
+    def _agree(self, kind: str, what: str) -> None:
+        """Every worker is about to do the same ``what`` (when collectives are verified)."""
+        if self._num_workers > 1 and self._group.verifies_collectives:
+            self._group.agree(kind, what)
 
-    def _shard_tree(self, root: nn.Module) -> None:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+    @property
+    def _batch_axis(self) -> str:
+        return self._layout.batch_axis if self._layout is not None else "shard"
 
+    def _picked_modules(self, root: nn.Module) -> list[nn.Module]:
+        """The submodules the shard policy gives their own shard (checked before any sharding)."""
         picked = [
             (name, module) for name, module, parent in _post_order(root)
             if module is not root and any(True for _ in module.parameters())
             and self._wants_own_shard(module, name, parent)
         ]
-        # Checked before anything is sharded: a refusal halfway would leave the model half done.
         for name, module in [*picked, ("(the root)", root)]:
             if not has_forward(module):
                 raise InvalidArgumentError(
@@ -267,8 +379,13 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
                     "forward of its own, so FSDP2 cannot shard it by itself. Pick the blocks inside "
                     "it instead (e.g. shard_policy=lambda m, name: isinstance(m, MyBlock))."
                 )
-        for module in [*(m for _, m in picked), root]:
-            fully_shard(module, mesh=self._mesh, reshard_after_forward=self._reshard_after_forward,
+        return [m for _, m in picked]
+
+    def _shard_tree(self, root: nn.Module, picked: list[nn.Module]) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for module in [*picked, root]:
+            fully_shard(module, mesh=self._shard_mesh, reshard_after_forward=self._reshard_after_forward,
                         mp_policy=self._mixed_precision)
         # Summed over workers, as every strategy sums gradients: the loss is already scaled
         # by the global batch (td.compute_average_loss), not by the local one.
@@ -327,6 +444,13 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
                 per_param[index] = {k: _like(v, param) for k, v in values.items()}
             return obj.load_state_dict({**state, "state": per_param})
         return obj.load_state_dict(state)
+
+    def checkpoint_shard_templates(self, obj: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+        """An optimizer's state per parameter (``exp_avg``...) is sharded like the parameter."""
+        if not isinstance(obj, torch.optim.Optimizer):
+            return {}
+        params = [p for group in obj.param_groups for p in group["params"]]
+        return {("state", index): param for index, param in enumerate(params) if is_dtensor(param)}
 
 
 def _like(value: Any, target: Any) -> Any:
@@ -394,6 +518,17 @@ class FullyShardedStrategy(Strategy):
       workers, replicated across the ``replicate`` groups.
     - ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy`` (for example bf16 parameters in
       the forward and backward, float32 gradients reduced and kept).
+    - ``mesh=td.DeviceMesh((data, model), ("data", "model"))`` and
+      ``layout_map=td.LayoutMap(mesh)``: tensor parallelism (Keras 3's ``ModelParallel``).
+      The batch is split over ``batch_dim_name`` (the mesh's first axis by default), whose
+      positions are the replicas; the layers the layout map names are split over the other
+      axis (torch's ``parallelize_module``), and FSDP2 shards what each worker holds over
+      the batch axis. A dict of torch ``ParallelStyle``s is accepted as the layout map too.
+      See docs/strategies/tensor-parallelism.md.
+
+    A model built in the scope is never whole on any worker: each worker allocates only its
+    shards and fills them with the values one device would have built for the same seed
+    (``strategies/deferred_init.py``).
 
     >>> import torch, torch_distribute as td
     >>> strategy = td.FullyShardedStrategy()   # no cluster: one local worker
@@ -414,7 +549,16 @@ class FullyShardedStrategy(Strategy):
         mesh_shape: Sequence[int] | None = None,
         mixed_precision: MixedPrecisionPolicy | None = None,
         device: DeviceLike | None = None,
+        mesh: DeviceMesh | None = None,
+        layout_map: LayoutMap | Mapping[str, Any] | None = None,
+        batch_dim_name: str | None = None,
     ):
+        layout = None
+        if mesh is not None or layout_map is not None or batch_dim_name is not None:
+            if mesh_shape is not None:
+                raise InvalidArgumentError(
+                    "Give either mesh_shape (hybrid sharding) or mesh/layout_map (a named mesh), not both.")
+            layout = MeshLayout.resolve(mesh, layout_map, batch_dim_name)
         resolver, options = worker_job(cluster_resolver, communication_options)
         if shard_policy is not None and not callable(shard_policy):
             raise InvalidArgumentError(
@@ -432,7 +576,7 @@ class FullyShardedStrategy(Strategy):
         self._cluster_resolver = resolver
         super().__init__(FullyShardedExtended(
             self, chosen, resolver, options, shard_policy, reshard_after_forward,
-            mesh_shape, mixed_precision,
+            mesh_shape, mixed_precision, layout,
         ))
 
     @property
