@@ -177,7 +177,8 @@ class Strategy:
         replica_context = top.replica_context if top is not None and top.strategy is self else None
         context.push_frame(self, replica_context)
         try:
-            yield self
+            with interception.scope_listeners_entered(self):  # the Keras 3 integration, if loaded
+                yield self
         finally:
             context.pop_frame()
         if replica_context is None and not any(f.strategy is self for f in context.current_frames()):
