@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("KERAS_BACKEND", "torch")
+os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported (it reads it once)
 os.environ.setdefault("KERAS_TORCH_DEVICE", "cpu")  # CPU replicas, also where a GPU is present
 
 import keras  # noqa: E402

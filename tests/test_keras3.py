@@ -134,7 +134,9 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
         _close(actual, want, atol=1e-6)
 
 
-def test_batch_normalization_statistics_are_averaged_over_the_replicas():
+def test_batch_statistics_are_averaged_and_added_losses_are_one_devices():
+    """What a forward changes or adds: BatchNormalization's moving mean is the mean over the
+    replicas (equal halves: one device's), an activity regularizer's loss is one device's."""
     def step(strategy):
         keras.utils.set_random_seed(2)
         with strategy.scope() if strategy is not None else _null():
@@ -148,6 +150,21 @@ def test_batch_normalization_statistics_are_averaged_over_the_replicas():
     one = step(None)
     assert not np.allclose(one, 0)
     _close(step(td.MirroredStrategy(["cpu:0", "cpu:1"])), one, atol=1e-7)  # equal halves: the same mean
+
+    def fit(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+                8, activity_regularizer=keras.regularizers.L2(0.1), kernel_regularizer="l2"), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        data = np.random.default_rng(0).random((30, 6), dtype=np.float32)
+        history = model.fit(data, data[:, :2], batch_size=15, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], model.get_weights()
+
+    (loss, weights), (one_loss, one_weights) = fit(td.MirroredStrategy(["cpu:0", "cpu:1"])), fit(None)
+    _close(loss, one_loss)
+    for actual, expected in zip(weights, one_weights, strict=True):
+        _close(actual, expected, atol=1e-7)
 
 
 def _null():

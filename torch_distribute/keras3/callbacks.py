@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch_distribute import context
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 #: Keras callbacks that only the chief runs.
 CHIEF_ONLY = ("CSVLogger", "TensorBoard", "ProgbarLogger")
@@ -38,7 +39,7 @@ CHIEF_ONLY = ("CSVLogger", "TensorBoard", "ProgbarLogger")
 CHIEF_WRITES = ("ModelCheckpoint", "BackupAndRestore")
 
 
-def for_this_worker(callbacks: Any, strategy: context.StrategyLike, keras: ModuleType) -> Any:
+def for_this_worker(callbacks: Any, strategy: Strategy, keras: ModuleType) -> Any:
     """``callbacks`` as this worker runs them (unchanged in one process)."""
     extended = strategy.extended
     if callbacks is None or extended.num_workers_in_sync == 1:
@@ -62,19 +63,20 @@ def for_this_worker(callbacks: Any, strategy: context.StrategyLike, keras: Modul
 @functools.cache
 def _wrappers(keras: ModuleType) -> tuple[type, type]:
     """The wrapper classes, made once Keras is imported (they subclass its ``Callback``)."""
+    base: Any = keras.callbacks.Callback
 
-    class ChiefOnly(keras.callbacks.Callback):
+    class ChiefOnly(base):
         """A callback the chief runs: on this worker it does nothing."""
 
         def __init__(self, callback: Any):
             super().__init__()
             self.callback = callback
 
-    class ChiefWrites(keras.callbacks.Callback):
+    class ChiefWrites(base):
         """A callback that saves files: the chief runs it; every worker restores with it
         (``on_train_begin``) and waits for each of its saves."""
 
-        def __init__(self, callback: Any, strategy: context.StrategyLike):
+        def __init__(self, callback: Any, strategy: Strategy):
             super().__init__()
             self.callback = callback
             self._strategy = strategy

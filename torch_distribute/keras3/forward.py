@@ -15,9 +15,13 @@ concatenation) and each worker (through ``GatheredRows``, whose backward keeps t
 rows of the gradient: every worker computed the same loss) its share of the gradient, which
 the optimizer sums (``gradients.py``).
 
-Variables a training forward changes (``BatchNormalization``'s moving statistics) are
-averaged over the replicas and workers that changed them, as TensorFlow's ON_READ MEAN
-variables are.
+Each replica's forward runs in a ``keras.StatelessScope`` of its own: what it assigns to the
+model's variables (``BatchNormalization``'s moving statistics, a seed generator's state) and
+the losses it adds (``add_loss``, activity regularizers) are collected, not applied, so every
+replica computes from the same state. Then floating variables get the mean over the replicas
+and workers (as TensorFlow's ON_READ MEAN variables), others replica 0's value, and the added
+losses are added to the model as one device would have them (each replica's weighted by its
+share of the global batch, summed over every replica and worker).
 
 >>> row_ranges(7, num_workers=2, num_local_replicas=2, worker_index=1)
 (4, [2, 1])
@@ -25,8 +29,8 @@ variables are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +39,9 @@ from torch_distribute.errors import KerasUnsupportedError
 from torch_distribute.input.batching import batch_sizes_for_worker
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica, select_replica
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 
 def row_ranges(rows: int, num_workers: int, num_local_replicas: int, worker_index: int) -> tuple[int, list[int]]:
@@ -63,8 +70,7 @@ def _rows(structure: Any, rows: int, start: int, count: int) -> Any:
     return nest.map_structure(cut, structure)
 
 
-def spread(strategy: context.StrategyLike, keras_device: Callable[[str], Any], model: Any,
-           args: tuple, kwargs: dict, training: bool) -> Any:
+def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwargs: dict, training: bool) -> Any:
     """``model(*args, **kwargs)`` on the global batch in ``args[0]``, computed by every replica
     of every worker on its rows; the outputs of the whole batch."""
     extended = strategy.extended
@@ -82,27 +88,111 @@ def spread(strategy: context.StrategyLike, keras_device: Callable[[str], Any], m
         per_replica.append((_rows(args, rows, offset, size), _rows(kwargs, rows, offset, size)))
         offset += size
     devices = extended.replica_devices
-
-    states = _ChangedStates(strategy, model) if training else None
+    states = list(model.non_trainable_variables) if training else []
 
     def replica_forward(inputs: tuple[tuple, dict]) -> Any:
         replica_args, replica_kwargs = inputs
         local_id = context.get_replica_context().local_replica_id
         device = devices[local_id]
-        with keras_device(str(device)):
+        # The replica's variable updates and added losses are collected, not applied: each
+        # replica computes from the same state, and the updates are combined below.
+        with keras.device(str(device)), keras.StatelessScope(collect_losses=True) as scope:
             out = model(*_on(replica_args, device), **_on(replica_kwargs, device))
-        return out, (states.read() if states is not None else None)
+        return out, _Collected(list(scope.losses), [scope.get_current_value(v) for v in states])
 
     value: Any = PerReplica(per_replica) if len(per_replica) > 1 else per_replica[0]
     result = strategy.run(replica_forward, args=(value,))
     results = [select_replica(k, result) for k in range(len(per_replica))]
-    outputs = tuple(r[0] for r in results)
-    if states is not None:
-        states.average([r[1] for r in results])
-    local = _concatenate(outputs, local_sizes, extended.primary_device, model)
+    collected = [r[1] for r in results]
+    _add_losses(strategy, model, collected, local_sizes, rows)
+    if states:
+        _update_states(strategy, states, collected)
+    local = _concatenate(tuple(r[0] for r in results), local_sizes, extended.primary_device, model)
     if extended.num_workers_in_sync == 1:
         return local
     return nest.map_structure(lambda t: gather_rows(extended, t, start, local_rows), local)
+
+
+class _Collected:
+    """What one replica's forward added (losses) and changed (the state variables' values, or
+    ``None`` where unchanged), carried out of ``strategy.run`` as one value."""
+
+    __slots__ = ("losses", "values")
+
+    def __init__(self, losses: list[Any], values: list[Any]):
+        self.losses = losses
+        self.values = values
+
+
+def _add_losses(strategy: Strategy, model: Any, collected: list[_Collected], sizes: list[int], rows: int) -> None:
+    """The losses the replicas' forwards added (``add_loss``, activity regularizers), as one
+    device's: each replica's, a mean over its rows, weighted by its share of the global batch,
+    summed over every replica and worker, added to ``model`` (differentiably)."""
+    extended = strategy.extended
+    counts = [len(c.losses) for c in collected]
+    if extended.num_workers_in_sync > 1:  # every worker adds one loss, or none
+        total_count = extended.reduce_across_workers(torch.tensor([float(max(counts))], dtype=torch.float64))
+        anywhere = float(total_count[0]) > 0
+    else:
+        anywhere = max(counts) > 0
+    if not anywhere:
+        return
+    device = extended.primary_device
+    local = torch.zeros((), device=device)
+    for part, size in zip(collected, sizes, strict=True):
+        for loss in part.losses:
+            local = local + loss.to(device).float().sum() * (size / rows)
+    total = SummedOverWorkers.apply(local, extended) if extended.num_workers_in_sync > 1 else local
+    model.add_loss(total)
+
+
+class SummedOverWorkers(torch.autograd.Function):
+    """A loss term summed over the workers; backward passes each worker its own term's
+    gradient (every worker computed the same total)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, extended: Any) -> torch.Tensor:  # type: ignore[override]
+        return extended.reduce_across_workers(local.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _update_states(strategy: Strategy, states: list[Any], collected: list[_Collected]) -> None:
+    """Apply what the replicas' forwards assigned to the model's non-trainable variables:
+    floating ones get the mean over the replicas (and workers) that changed them
+    (``BatchNormalization``'s moving statistics, as TensorFlow's ON_READ MEAN variables), the
+    others replica 0's value (a seed generator's state: every replica advanced it alike)."""
+    extended = strategy.extended
+    changed = [any(c.values[i] is not None for c in collected) for i in range(len(states))]
+    if extended.num_workers_in_sync > 1:  # every worker averages the same variables
+        flags = torch.tensor([1.0 if c else 0.0 for c in changed], dtype=torch.float64)
+        changed = [f > 0 for f in extended.reduce_across_workers(flags).tolist()]
+    floating: dict[torch.dtype, list[int]] = {}
+    for i, variable in enumerate(states):
+        if not changed[i]:
+            continue
+        current = variable.value
+        if current.is_floating_point():
+            floating.setdefault(current.dtype, []).append(i)
+        elif collected[0].values[i] is not None:
+            variable.assign(collected[0].values[i])
+    with torch.no_grad():
+        for indices in floating.values():
+            flats = []
+            for part in collected:
+                flats.append(torch.cat([
+                    (part.values[i] if part.values[i] is not None else states[i].value).detach().reshape(-1)
+                    .to(extended.primary_device) for i in indices]))
+            value: Any = PerReplica(flats) if len(flats) > 1 else flats[0]
+            mean = extended.reduce_to(ReduceOp.MEAN, value, extended.primary_device)
+            offset = 0
+            for i in indices:
+                variable = states[i]
+                n = variable.value.numel()
+                variable.assign(mean[offset:offset + n].view(variable.value.shape))
+                offset += n
 
 
 def _on(structure: Any, device: torch.device) -> Any:
@@ -152,49 +242,3 @@ def gather_rows(extended: Any, local: torch.Tensor, start: int, count: int) -> t
         return local
     gathered = GatheredRows.apply(local, extended, start, count)
     return gathered
-
-
-class _ChangedStates:
-    """The model's floating non-trainable variables around a training forward: those a replica
-    changed (``BatchNormalization``'s moving statistics) are averaged over every replica and
-    worker, as TensorFlow's ON_READ MEAN variables are; the others are left alone."""
-
-    def __init__(self, strategy: context.StrategyLike, model: Any):
-        self._strategy = strategy
-        self._tensors = [v.value for v in model.non_trainable_variables
-                         if isinstance(getattr(v, "value", None), torch.Tensor) and v.value.is_floating_point()]
-        self._before = [t.detach().clone() for t in self._tensors]
-
-    def read(self) -> list[torch.Tensor] | None:
-        """Inside a replica: its values (its copies', which the replica's torch calls read)."""
-        if not self._tensors:
-            return None
-        return [t.detach().clone() for t in self._tensors]
-
-    def average(self, per_replica: list[list[torch.Tensor] | None]) -> None:
-        """After the run: every changed variable gets the mean of the replicas' values."""
-        if not self._tensors:
-            return
-        values = [v for v in per_replica if v is not None]
-        extended = self._strategy.extended
-        changed = [any(not torch.equal(v[i].to(b.device), b) for v in values)
-                   for i, b in enumerate(self._before)]
-        if extended.num_workers_in_sync > 1:  # every worker averages the same variables
-            flags = torch.tensor([1.0 if c else 0.0 for c in changed], dtype=torch.float64)
-            changed = [f > 0 for f in extended.reduce_across_workers(flags).tolist()]
-        chosen = [i for i, c in enumerate(changed) if c]
-        if not chosen:
-            return
-        groups: dict[torch.dtype, list[int]] = {}
-        for i in chosen:
-            groups.setdefault(self._tensors[i].dtype, []).append(i)
-        with torch.no_grad():
-            for indices in groups.values():
-                flats = [torch.cat([v[i].reshape(-1).to(extended.primary_device) for i in indices]) for v in values]
-                value: Any = PerReplica(flats) if len(flats) > 1 else flats[0]
-                mean = extended.reduce_to(ReduceOp.MEAN, value, extended.primary_device)
-                offset = 0
-                for i in indices:
-                    tensor = self._tensors[i]
-                    tensor.copy_(mean[offset:offset + tensor.numel()].view(tensor.shape))
-                    offset += tensor.numel()

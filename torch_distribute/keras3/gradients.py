@@ -30,7 +30,7 @@ replicas first, then across workers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from torch_distribute import context
 from torch_distribute.errors import KerasUnsupportedError, UnmirroredStateError
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 
 def pack_gradients(grads: Sequence[torch.Tensor | None], templates: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -68,7 +71,7 @@ def unpack_gradients(flat: torch.Tensor, templates: Sequence[torch.Tensor]) -> l
     return out
 
 
-def _sum_packed(strategy: context.StrategyLike, per_replica: list[list[torch.Tensor | None]],
+def _sum_packed(strategy: Strategy, per_replica: list[list[torch.Tensor | None]],
                 templates: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Each replica's gradient list (local replica order) summed over every replica and
     worker, one reduction per dtype."""
@@ -98,7 +101,7 @@ def primary_tensor(variable: Any) -> torch.Tensor:
     return value
 
 
-def sum_for_step(strategy: context.StrategyLike, grads: Sequence[torch.Tensor | None],
+def sum_for_step(strategy: Strategy, grads: Sequence[torch.Tensor | None],
                  variables: Sequence[Any]) -> list[torch.Tensor | None]:
     """The gradients of a ``fit`` step, summed over every replica and worker.
 
@@ -111,7 +114,8 @@ def sum_for_step(strategy: context.StrategyLike, grads: Sequence[torch.Tensor | 
     per_replica: list[list[torch.Tensor | None]] = [[] for _ in range(extended.num_local_replicas)]
     copies_of = []
     for variable, primary, given in zip(variables, primaries, grads, strict=True):
-        copies = extended.local_copies(primary)
+        found = extended.local_copies(primary)
+        copies = [c for c in found if isinstance(c, torch.Tensor)] if found is not None else None
         if copies is None:
             raise UnmirroredStateError(
                 f"The Keras variable {getattr(variable, 'path', '?')!r} was not created inside "
@@ -155,7 +159,7 @@ def apply_in_replica(replica: context.ReplicaContextLike, apply: Callable[[list[
     templates = [primary_tensor(v) for v in variables]
     mine = _Gradients([None if g is None else g.detach() for g in grads])
 
-    def merge(strategy: context.StrategyLike, per_replica: Any) -> Any:
+    def merge(strategy: Strategy, per_replica: Any) -> Any:
         extended = strategy.extended
         if not extended.keeps_captured_tensors:
             raise KerasUnsupportedError(

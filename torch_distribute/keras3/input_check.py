@@ -16,12 +16,15 @@ False
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_distribute import context, nest
+from torch_distribute import nest
 from torch_distribute.errors import ReplicaMismatchError
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 _PRIME = 65521
 
@@ -39,7 +42,7 @@ def fingerprint(batch: Any) -> torch.Tensor:
     return torch.tensor([parts], dtype=torch.int64)
 
 
-def check_same_batch(strategy: context.StrategyLike, batch: Any, what: str) -> None:
+def check_same_batch(strategy: Strategy, batch: Any, what: str) -> None:
     """Raise ``ReplicaMismatchError`` unless every worker's ``batch`` is the same."""
     extended = strategy.extended
     if extended.num_workers_in_sync == 1:

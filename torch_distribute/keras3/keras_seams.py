@@ -159,15 +159,15 @@ def install(keras: ModuleType) -> None:
             if cls is None or getattr(cls.__dict__.get("apply"), "__torch_distribute_wrapped__", False):
                 continue
             own = cls.__dict__.get("apply")
-            cls.apply = _wrap_apply(cls.apply)
+            setattr(cls, "apply", _wrap_apply(cls.apply))  # noqa: B010 - a class attribute, undone below
             _undo.append(functools.partial(_restore, cls, own))
 
 
 def _restore(cls: type, own: Any) -> None:
     if own is None:
-        del cls.apply
+        delattr(cls, "apply")  # noqa: B043 - back to the inherited method
     else:
-        cls.apply = own
+        setattr(cls, "apply", own)  # noqa: B010
 
 
 def installed() -> bool:

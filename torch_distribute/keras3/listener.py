@@ -19,26 +19,29 @@ and Keras makes its variables on the strategy's device while the scope lasts
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from torch_distribute import context
 from torch_distribute.keras3 import loaded, serving
+from torch_distribute.strategies.interception import ScopedStrategy
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 
 class KerasScopeListener:
     """The scope listener of the Keras 3 integration (one per process: ``LISTENER``)."""
 
-    def scope_entered(self, strategy: context.StrategyLike) -> AbstractContextManager[Any] | None:
+    def scope_entered(self, strategy: ScopedStrategy) -> AbstractContextManager[Any] | None:
         """Check Keras and place its variables on the strategy: what the scope holds open."""
         keras = loaded.imported_keras()
         if keras is None:
             return None
-        serving.check_no_keras_distribution(keras, strategy)
+        serving.check_no_keras_distribution(keras, cast("Strategy", strategy))
         return keras.device(str(strategy.extended.primary_device))
 
-    def submodule_captured(self, strategy: context.StrategyLike, parent: nn.Module, name: str,
+    def submodule_captured(self, strategy: ScopedStrategy, parent: nn.Module, name: str,
                            child: nn.Module) -> None:
         """Serve a Keras model made or built in the scope; refuse a Keras layer in the scope of
         a strategy that cannot train one."""
@@ -46,9 +49,9 @@ class KerasScopeListener:
         if keras is None or not isinstance(parent, keras.layers.Layer):
             return
         if isinstance(parent, keras.Model):
-            serving.serve(parent, strategy, keras)
+            serving.serve(parent, cast("Strategy", strategy), keras)
         else:
-            serving.check_strategy(strategy, f"A Keras layer ({type(parent).__name__})")
+            serving.check_strategy(cast("Strategy", strategy), f"A Keras layer ({type(parent).__name__})")
 
 
 LISTENER = KerasScopeListener()

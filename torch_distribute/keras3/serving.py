@@ -29,19 +29,21 @@ import inspect
 import weakref
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_distribute import context
 from torch_distribute.errors import ContextError, KerasUnsupportedError
 from torch_distribute.keras3 import callbacks as worker_callbacks
 from torch_distribute.keras3 import forward, input_check, keras_seams, step_context
 
-_served: weakref.WeakKeyDictionary[Any, context.StrategyLike] = weakref.WeakKeyDictionary()
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
+
+_served: weakref.WeakKeyDictionary[Any, Strategy] = weakref.WeakKeyDictionary()
 
 
-def served_by(model: Any) -> context.StrategyLike | None:
+def served_by(model: Any) -> Strategy | None:
     """The strategy serving a Keras model, or ``None``."""
     try:
         return _served.get(model)
@@ -49,7 +51,7 @@ def served_by(model: Any) -> context.StrategyLike | None:
         return None
 
 
-def check_strategy(strategy: context.StrategyLike, what: str) -> None:
+def check_strategy(strategy: Strategy, what: str) -> None:
     """Refuse a strategy that cannot train a Keras model as one device would."""
     if not strategy.extended.keeps_captured_tensors:
         raise KerasUnsupportedError(
@@ -62,7 +64,7 @@ def check_strategy(strategy: context.StrategyLike, what: str) -> None:
         )
 
 
-def check_no_keras_distribution(keras: ModuleType, strategy: context.StrategyLike) -> None:
+def check_no_keras_distribution(keras: ModuleType, strategy: Strategy) -> None:
     """Refuse Keras' own distribution API combined with a strategy (decided, not mixed)."""
     distribution = keras.distribution.distribution()
     if distribution is not None:
@@ -77,7 +79,7 @@ def check_no_keras_distribution(keras: ModuleType, strategy: context.StrategyLik
         )
 
 
-def serve(model: Any, strategy: context.StrategyLike, keras: ModuleType) -> None:
+def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
     """Have ``strategy`` train ``model`` (a ``keras.Model``) from now on (idempotent)."""
     owner = served_by(model)
     if owner is strategy:
@@ -114,7 +116,7 @@ def serve(model: Any, strategy: context.StrategyLike, keras: ModuleType) -> None
                 or not _is_spread(strategy) or not _concrete(args[0])):
             return original_call(*args, **kwargs)
         with step_context.flag(step, "forwarding"):
-            return forward.spread(strategy, keras.device, model_ref(), args, kwargs, step.kind == "train")
+            return forward.spread(strategy, keras, model_ref(), args, kwargs, step.kind == "train")
 
     call.__signature__ = inspect.signature(original_call)  # type: ignore[attr-defined]
     call.__doc__ = original_call.__doc__
@@ -129,7 +131,7 @@ def _set(model: Any, name: str, value: Callable[..., Any]) -> None:
     object.__setattr__(model, name, value)
 
 
-def _is_spread(strategy: context.StrategyLike) -> bool:
+def _is_spread(strategy: Strategy) -> bool:
     extended = strategy.extended
     return extended.num_local_replicas > 1 or extended.num_workers_in_sync > 1
 
@@ -142,7 +144,7 @@ def _concrete(inputs: Any) -> bool:
     return bool(leaves) and all(isinstance(leaf, torch.Tensor) and leaf.device.type != "meta" for leaf in leaves)
 
 
-def _wrap_loop(model_ref: Callable[[], Any], strategy: context.StrategyLike, keras: ModuleType,
+def _wrap_loop(model_ref: Callable[[], Any], strategy: Strategy, keras: ModuleType,
                original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch_distribute import context
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
 
 
 class ActiveStep:
@@ -29,7 +30,7 @@ class ActiveStep:
 
     __slots__ = ("model", "strategy", "kind", "forwarding", "gradients_global")
 
-    def __init__(self, model: Any, strategy: context.StrategyLike, kind: str):
+    def __init__(self, model: Any, strategy: Strategy, kind: str):
         self.model = model
         self.strategy = strategy
         self.kind = kind
