@@ -121,7 +121,7 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
             optimizer.apply([v.value.grad for v in variables], variables)
             return loss
 
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=global_batch)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
         for _ in range(2):
             for xb, yb in strategy.experimental_distribute_dataset(loader):
                 strategy.run(step, args=(xb, yb))
@@ -132,6 +132,12 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
     assert steps == expected_steps == 6
     for actual, want in zip(got, expected, strict=True):
         _close(actual, want, atol=1e-6)
+    # The DDP habit in Keras form: a loss averaged over the replica's own rows (Keras' default
+    # reduction) would double the update under two replicas; it stops before the first one.
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    global_batch = 1  # the loss is used as it comes
+    with pytest.raises(td.LossScalingError, match='Keras loss with reduction="sum_over_batch_size"'):
+        train(td.MirroredStrategy(["cpu:0", "cpu:1"]))
 
 
 def test_batch_statistics_are_averaged_and_added_losses_are_one_devices():
