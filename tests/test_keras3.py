@@ -69,6 +69,57 @@ def test_tutorial_equals_one_device(name, one_device, tmp_path):
     assert "torch_distribute" not in config and json.loads(config)["class_name"] == "Sequential"
 
 
+class _OwnTrainStep(keras.Model):
+    """Keras' "customizing what happens in fit() with PyTorch" guide, with a torch module inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = keras.layers.TorchModuleWrapper(torch.nn.Linear(6, 8))
+        self.head = keras.layers.Dense(2)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def call(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        loss.backward()
+        trainable = list(self.trainable_weights)
+        with torch.no_grad():
+            self.optimizer.apply([v.value.grad for v in trainable], trainable)
+        self.loss_tracker.update_state(loss)
+        self.mae.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae]
+
+
+def test_a_train_step_of_ones_own_and_a_torch_module_inside_equal_one_device():
+    data = np.random.default_rng(4).random((30, 6), dtype=np.float32)
+
+    def fit(strategy):
+        keras.utils.set_random_seed(5)
+        torch.manual_seed(5)
+        with strategy.scope() if strategy is not None else _null():
+            model = _OwnTrainStep()
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        history = model.fit(data, data[:, :2], batch_size=10, epochs=2, shuffle=False, verbose=0)
+        return history.history, model.get_weights()
+
+    (history, weights), (one_history, one_weights) = fit(td.MirroredStrategy(["cpu:0", "cpu:1"])), fit(None)
+    assert history.keys() == {"loss", "mae"}
+    for key, values in one_history.items():
+        _close(history[key], values)
+    for actual, expected in zip(weights, one_weights, strict=True):
+        _close(actual, expected, atol=1e-6)
+
+
 class _Probe(keras.layers.Layer):
     """Records which replica computes it, and on how many rows."""
 
