@@ -7,7 +7,10 @@ runs in a process of its own, the variants one after another in a rotating order
 process started ``--repeats`` times; every ``run_steps(n)`` is one ``fit`` call over ``n``
 global batches (so ``fit``'s own per-call cost is in the figures, spread over ``n`` steps, as
 in an epoch). Both wall-clock and CPU seconds (all the process's threads) per step are
-reported: on a shared machine the CPU figure is the steadier one.
+reported: on a shared machine the CPU figure is the steadier one, and ``--threads 1`` keeps
+OpenMP threads from spinning while their peer is descheduled (which makes a 2-thread
+one-device step cost several times its CPU under load; each replica of a 2-replica strategy
+runs with 1 thread).
 
 * ``keras3``: a ``keras.Sequential`` and Keras' own ``fit``, no strategy.
 * ``keras3 mirrored``: the same model made in ``td.MirroredStrategy(["cpu:0", "cpu:1"])``'s
@@ -149,11 +152,13 @@ VARIANTS = {
 }
 
 
-def child(name: str, steps: int, rounds: int, warmup: int) -> None:
+def child(name: str, steps: int, rounds: int, warmup: int, threads: int | None) -> None:
     """One variant in this process: ``rounds`` timings of ``steps`` steps after ``warmup``,
     wall-clock and CPU (every thread of the process) seconds per step."""
     import time
 
+    if threads:
+        torch.set_num_threads(threads)
     make, args = VARIANTS[name]
     variant = make(*args)
     variant.setup()
@@ -174,20 +179,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="each variant's process, started this often")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps, one process per variant")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads of every variant (default: torch's). On a loaded "
+                             "machine 1 avoids OpenMP threads spinning while their peer is descheduled")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.repeats = 3, 4, 4, 1
     if args.variant:
-        child(args.variant, args.steps, args.rounds, args.warmup)
+        child(args.variant, args.steps, args.rounds, args.warmup, args.threads)
         return
     wall: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for repeat in range(args.repeats):  # variants one after another, in a rotating order
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            threads = ["--threads", str(args.threads)] if args.threads else []
             done = subprocess.run([sys.executable, __file__, "--variant", name, "--steps", str(args.steps),
-                                   "--rounds", str(args.rounds), "--warmup", str(args.warmup)],
+                                   "--rounds", str(args.rounds), "--warmup", str(args.warmup), *threads],
                                   capture_output=True, text=True, timeout=1800)
             lines = [line for line in done.stdout.splitlines() if line.startswith("CHILD ")]
             if done.returncode != 0 or not lines:
@@ -206,7 +215,7 @@ def main() -> None:
     }
     ratios = {label: {kind: seconds[a][kind] / seconds[b][kind] for kind in ("wall", "cpu")}
               for label, (a, b) in pairs.items()}
-    print(machine_line(), "load:", load_average())
+    print(machine_line(), "load:", load_average(), "threads:", args.threads or "torch's default")
     for name, value in seconds.items():
         print(f"{name:>20}: {value['wall'] * 1000:8.1f} ms/step wall, {value['cpu'] * 1000:8.1f} ms/step CPU")
     for label, value in ratios.items():

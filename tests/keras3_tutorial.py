@@ -55,9 +55,13 @@ def build_and_compile() -> keras.Model:
     return model
 
 
-def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: int = 0) -> dict:
+def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: int = 0,
+        early_stopping: bool = False) -> dict:
     """The tutorial under ``strategy`` (``None``: one device, no strategy), with the global
-    batch of ``num_replicas`` replicas; everything its steps produce, as plain values."""
+    batch of ``num_replicas`` replicas; everything its steps produce, as plain values.
+
+    ``early_stopping``: also an ``EarlyStopping`` that stops after the last epoch (whose loss
+    improves by less than ``min_delta``) and restores the weights of the epoch before."""
     import contextlib
 
     (x_train, y_train), (x_eval, y_eval) = mnist_like()
@@ -82,6 +86,9 @@ def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: 
         PrintLR(),
         *extra_callbacks,
     ]
+    if early_stopping:
+        callbacks.append(keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.05, patience=0,
+                                                       restore_best_weights=True))
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=EPOCHS, callbacks=callbacks,
                         shuffle=False, verbose=verbose)
     weights = [w.tolist() for w in model.get_weights()]

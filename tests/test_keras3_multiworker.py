@@ -3,7 +3,9 @@ device's numbers, with a worker killed mid-training and the job restarted by the
 
 One job (``torch-distribute launch --nproc 2 --max-restarts 1``) runs TensorFlow's
 "Distributed training with Keras" tutorial in its Keras 3 form (``tests/keras3_tutorial.py``)
-with ``keras.callbacks.BackupAndRestore`` added, as TensorFlow's multi-worker tutorial does.
+with ``keras.callbacks.BackupAndRestore`` added, as TensorFlow's multi-worker tutorial does,
+and an ``EarlyStopping`` that stops every worker after the last epoch and restores the weights
+of the epoch before (as it does on one device).
 On the first attempt worker 1 kills itself (SIGKILL) when the third epoch begins; the launcher
 restarts both workers, which restore the chief's backup and finish. Both workers then hold
 the weights one device gets from the uninterrupted tutorial, ``evaluate`` and ``predict``
@@ -59,7 +61,7 @@ def worker() -> None:
 
     backup = keras.callbacks.BackupAndRestore(backup_dir=os.path.join(args.out, "backup"))
     result = keras3_tutorial.run(strategy, args.out, num_replicas=strategy.num_replicas_in_sync,
-                                 extra_callbacks=[backup, KillWorkerOne()], verbose=2)
+                                 extra_callbacks=[backup, KillWorkerOne()], verbose=2, early_stopping=True)
     print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, **result}), flush=True)
 
 
@@ -89,7 +91,7 @@ def test_tutorial_on_two_workers_killed_and_restarted_equals_one_device(tmp_path
     for (rows, mine), (same_rows, theirs) in zip(results[0]["cuts"], results[1]["cuts"], strict=True):
         assert rows == same_rows and mine + theirs == rows and abs(mine - theirs) <= 1
 
-    reference = keras3_tutorial.run(None, str(tmp_path / "one_device"), num_replicas=2)
+    reference = keras3_tutorial.run(None, str(tmp_path / "one_device"), num_replicas=2, early_stopping=True)
     for rank in (0, 1):
         got = results[rank]
         for actual, expected in zip(got["weights"], reference["weights"], strict=True):
