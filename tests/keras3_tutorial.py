@@ -86,9 +86,9 @@ def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: 
         PrintLR(),
         *extra_callbacks,
     ]
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.05, patience=0, restore_best_weights=True)
     if early_stopping:
-        callbacks.append(keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.05, patience=0,
-                                                       restore_best_weights=True))
+        callbacks.append(stopper)
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=EPOCHS, callbacks=callbacks,
                         shuffle=False, verbose=verbose)
     weights = [w.tolist() for w in model.get_weights()]
@@ -100,7 +100,8 @@ def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: 
     if strategy is None or strategy.extended.should_checkpoint:
         model.save(path)
     out = {"weights": weights, "history": history.history, "evaluate": evaluated, "predict": predicted,
-           "learning_rates": learning_rates, "optimizer_iterations": int(model.optimizer.iterations.numpy())}
+           "learning_rates": learning_rates, "optimizer_iterations": int(model.optimizer.iterations.numpy()),
+           "stopped_epoch": stopper.stopped_epoch}
     if strategy is None or strategy.extended.num_workers_in_sync == 1:
         unreplicated = keras.models.load_model(path)
         unreplicated.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -103,6 +103,7 @@ def test_tutorial_on_two_workers_killed_and_restarted_equals_one_device(tmp_path
             np.testing.assert_allclose(got["history"][key], values[KILL_AT_EPOCH:], rtol=1e-5, atol=1e-6)
         assert got["learning_rates"] == reference["learning_rates"][KILL_AT_EPOCH:]
         assert got["optimizer_iterations"] == reference["optimizer_iterations"]
+        assert got["stopped_epoch"] == reference["stopped_epoch"] == 3  # stopped, best weights restored
     # Only the chief prints the progress bar and writes files; the backup is gone at the end.
     assert "[rank 0] Epoch 3/4" in out and "[rank 1] Epoch" not in out, out[-3000:]
     assert sorted(os.listdir(tmp_path / "training_checkpoints")) == [
