@@ -191,9 +191,9 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
         train(td.MirroredStrategy(["cpu:0", "cpu:1"]))
 
 
-def test_batch_statistics_are_averaged_and_added_losses_are_one_devices():
-    """What a forward changes or adds: BatchNormalization's moving mean is the mean over the
-    replicas (equal halves: one device's), an activity regularizer's loss is one device's."""
+def test_what_a_forward_changes_adds_or_masks_is_one_devices():
+    """BatchNormalization's moving mean is the mean over the replicas (equal halves: one
+    device's); an activity regularizer's loss and a masked sequence's loss are one device's."""
     def step(strategy):
         keras.utils.set_random_seed(2)
         with strategy.scope() if strategy is not None else _null():
@@ -218,10 +218,24 @@ def test_batch_statistics_are_averaged_and_added_losses_are_one_devices():
         history = model.fit(data, data[:, :2], batch_size=15, epochs=2, shuffle=False, verbose=0)
         return history.history["loss"], model.get_weights()
 
-    (loss, weights), (one_loss, one_weights) = fit(td.MirroredStrategy(["cpu:0", "cpu:1"])), fit(None)
-    _close(loss, one_loss)
-    for actual, expected in zip(weights, one_weights, strict=True):
-        _close(actual, expected, atol=1e-7)
+    def fit_masked(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((7,)), keras.layers.Embedding(5, 4, mask_zero=True),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 5, (20, 7))
+        tokens[:, 5:] = 0  # padding: masked out of the loss
+        history = model.fit(tokens, rng.random((20, 7, 1), dtype=np.float32), batch_size=10, epochs=2,
+                            shuffle=False, verbose=0)
+        return history.history["loss"], model.get_weights()
+
+    for run in (fit, fit_masked):
+        (loss, weights), (one_loss, one_weights) = run(td.MirroredStrategy(["cpu:0", "cpu:1"])), run(None)
+        _close(loss, one_loss)
+        for actual, expected in zip(weights, one_weights, strict=True):
+            _close(actual, expected, atol=1e-7)
 
 
 def _null():

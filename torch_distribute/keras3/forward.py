@@ -37,6 +37,7 @@ import torch
 from torch_distribute import context, nest
 from torch_distribute.errors import KerasUnsupportedError
 from torch_distribute.input.batching import batch_sizes_for_worker
+from torch_distribute.keras3 import keras_seams
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica, select_replica
 
@@ -107,10 +108,27 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
     _add_losses(strategy, model, collected, local_sizes, rows)
     if states:
         _update_states(strategy, states, collected)
-    local = _concatenate(tuple(r[0] for r in results), local_sizes, extended.primary_device, model)
-    if extended.num_workers_in_sync == 1:
-        return local
-    return nest.map_structure(lambda t: gather_rows(extended, t, start, local_rows), local)
+    outputs = tuple(r[0] for r in results)
+    local = _concatenate(outputs, local_sizes, extended.primary_device, model)
+    masks = _concatenate(tuple(nest.map_structure(lambda t: _mask_of(keras, t), out) for out in outputs),
+                         local_sizes, extended.primary_device, model)
+    if extended.num_workers_in_sync > 1:
+        local = nest.map_structure(lambda t: gather_rows(extended, t, start, local_rows), local)
+        masks = nest.map_structure(lambda m: extended.gather_across_workers(m, 0) if isinstance(m, torch.Tensor) else m,
+                                   masks)
+    for tensor, mask in zip(nest.leaves(local), nest.leaves(masks), strict=True):
+        if isinstance(tensor, torch.Tensor) and isinstance(mask, torch.Tensor):
+            keras_seams.set_output_mask(keras, tensor, mask)
+    return local
+
+
+def _mask_of(keras: ModuleType, tensor: Any) -> Any:
+    """The mask Keras attached to a replica's output (a placeholder leaf where none)."""
+    mask = keras_seams.output_mask(keras, tensor) if isinstance(tensor, torch.Tensor) else None
+    return mask if mask is not None else _NO_MASK
+
+
+_NO_MASK = "no mask"  # a leaf every replica shares, so the masks' nest has the outputs' shape
 
 
 class _Collected:

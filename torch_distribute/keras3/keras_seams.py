@@ -8,6 +8,12 @@ on that instance only: ``serving.py``) and wraps one public method of Keras' opt
 classes, ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
 through (``apply_gradients`` calls it). Nothing private of Keras is read or replaced.
 
+One Keras internal is read (nothing is changed through it): a layer's output carries its mask
+in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`` /
+``set_keras_mask``; Keras has no public accessor), which the losses use. The replicas'
+outputs are joined into new tensors, so their masks are joined too (``output_mask``,
+``set_output_mask``), else a masked sequence model would train on its padding.
+
 ``CHANGES`` lists them with why and when; ``KERAS_TARGETS`` is the call shape each relies on,
 as found on the Keras versions in ``loaded.TESTED_KERAS``. ``tests/test_keras3.py`` compares
 them with the installed Keras, so a Keras release that changes one fails in CI first.
@@ -80,6 +86,8 @@ KERAS_TARGETS: dict[str, str] = {
     "Model.train_step": "(self, data)",
     "Model.test_step": "(self, data)",
     "Model.predict_step": "(self, data)",
+    "src.backend.get_keras_mask": "(x)",
+    "src.backend.set_keras_mask": "(x, mask)",
     "Model.fit": ("(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
                   "validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, "
                   "sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None, "
@@ -104,6 +112,16 @@ def call_shape(keras: ModuleType, dotted: str) -> str:
     for part in dotted.split("."):
         target = getattr(target, part)
     return str(inspect.signature(target))
+
+
+def output_mask(keras: ModuleType, tensor: Any) -> Any:
+    """The mask Keras attached to a layer's output, or ``None``."""
+    return keras.src.backend.get_keras_mask(tensor)
+
+
+def set_output_mask(keras: ModuleType, tensor: Any, mask: Any) -> None:
+    """Attach ``mask`` to ``tensor`` as Keras attaches a layer's output mask."""
+    keras.src.backend.set_keras_mask(tensor, mask)
 
 
 def _wrap_apply(original: Callable[..., Any]) -> Callable[..., Any]:
