@@ -112,6 +112,15 @@ def test_fit_with_backup_and_restore_resumes_after_the_coordinator_restarts(resu
     assert "save_freq='epoch'" in backup["save_freq_error"], backup["save_freq_error"]
 
 
+@pytest.mark.timeout(120)
+def test_a_keras3_model_is_refused_by_name_when_made_in_the_scope(result):
+    error = result["keras3_error"]
+    if error == "keras is not installed":
+        pytest.skip("needs keras (the test extra installs it)")
+    assert error.startswith("KerasUnsupportedError: A Keras layer (Dense) in ParameterServerStrategy.scope()"), error
+    assert "td.keras.Model" in error
+
+
 def test_dataset_creator_checks_its_arguments():
     with pytest.raises(td.InvalidArgumentError, match="takes a function input_context -> dataset"):
         td.keras.utils.experimental.DatasetCreator([1, 2])

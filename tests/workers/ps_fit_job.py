@@ -121,6 +121,28 @@ def backup_and_restore_across_a_restart(strategy, creator) -> dict:
                 callbacks=[td.keras.callbacks.BackupAndRestore(backup_dir, save_freq=2)]))}
 
 
+def keras3_model_refused(strategy) -> str:
+    """A Keras 3 model made in ParameterServerStrategy.scope(): the error it gets (a
+    td.KerasUnsupportedError when its first layer is built), or why nothing was tried."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    try:
+        import keras
+    except ImportError:
+        return "keras is not installed"
+
+    def make():
+        with strategy.scope():
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+
+    try:
+        make()
+    except td.KerasUnsupportedError as error:
+        return f"KerasUnsupportedError: {error}"
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def error_of(call) -> str:
     try:
         call()
@@ -174,6 +196,7 @@ if __name__ == "__main__":
     first_batch = coordinator.schedule(lambda it: next(it)[0].shape[0], args=(iter(per_worker),)).fetch()
     loader_functions = sum(coordinator.worker_stats.values()) - sum(stats_before_loader.values())
     backup = backup_and_restore_across_a_restart(strategy, creator)
+    keras3_error = keras3_model_refused(strategy)
     result = {
         "history": history.history,
         "train_batches": recorder.train_batches,
@@ -188,6 +211,7 @@ if __name__ == "__main__":
         "loader_functions": loader_functions,
         "first_batch": first_batch,
         "backup": backup,
+        "keras3_error": keras3_error,
         "errors": {
             "generator": error_of(lambda: loader_model.fit((b for b in loader), epochs=1, steps_per_epoch=1,
                                                            verbose=0)),
