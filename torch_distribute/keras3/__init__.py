@@ -16,8 +16,8 @@ one device would with the same global batches, under ``OneDeviceStrategy``,
 
 Keras is optional: this package never imports it (``loaded.imported_keras`` looks for it), so
 ``torch_distribute`` imports without it. Importing ``torch_distribute`` adds the scope
-listener that finds Keras models (``listener.py``); Keras is changed only when the first
-Keras model is made in a scope (``keras_seams.py`` lists what, and why).
+listener that finds Keras models (``listener.py``); Keras is changed only when a strategy's
+scope is first entered with Keras imported (``keras_seams.py`` lists what, and why).
 
 >>> from torch_distribute import keras3
 >>> keras3.served_by(object()) is None

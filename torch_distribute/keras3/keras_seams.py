@@ -54,7 +54,7 @@ class Change:
 _APPLY_WHY = ("a Keras optimizer updates its variables itself (not through torch.optim), once "
               "per call; under several replicas it must apply, once, the gradient summed over "
               "every replica and worker, and Keras has no distribution hook on torch")
-_FIRST_MODEL = "when the first Keras model is made in a strategy's scope (scope listener)"
+_FIRST_MODEL = "when a strategy's scope is first entered with Keras imported (scope listener)"
 _KEPT = ("never in a program (it passes through at once outside strategy.run and outside a served "
          "model's step); uninstall() undoes it, for tests")
 

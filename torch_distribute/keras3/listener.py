@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from torch_distribute.keras3 import loaded, serving
+from torch_distribute.keras3 import keras_seams, loaded, serving
 from torch_distribute.strategies.interception import ScopedStrategy
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class KerasScopeListener:
         if keras is None:
             return None
         serving.check_no_keras_distribution(keras, cast("Strategy", strategy))
+        keras_seams.install(keras)  # a Keras optimizer made here sums its replicas' gradients
         return keras.device(str(strategy.extended.primary_device))
 
     def submodule_captured(self, strategy: ScopedStrategy, parent: nn.Module, name: str,
