@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 EPOCHS = 4
 BATCH_SIZE_PER_REPLICA = 16
-NUM_TRAIN, NUM_EVAL = 150, 40  # the last global batch is ragged
+NUM_TRAIN, NUM_EVAL = 100, 40  # the last global batch is ragged
 
 
 def mnist_like() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
