@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections.abc import Callable
@@ -118,7 +119,8 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
         with step_context.flag(step, "forwarding"):
             return forward.spread(strategy, keras, model_ref(), args, kwargs, step.kind == "train")
 
-    call.__signature__ = inspect.signature(original_call)  # type: ignore[attr-defined]
+    with contextlib.suppress(TypeError, ValueError):  # Keras reads call's signature (training=...)
+        call.__signature__ = inspect.signature(original_call)  # type: ignore[attr-defined]
     call.__doc__ = original_call.__doc__
     _set(model, "call", call)
 
