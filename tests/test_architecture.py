@@ -258,7 +258,7 @@ def _layer_table() -> list[list[str]]:
         cells = line.split(" | ")
         if line.startswith("| ") and len(cells) >= 3 and cells[0].strip("| ").isdigit():
             for part in cells[1].split("→"):
-                layers.append(re.findall(r"`([a-z_]+)`", part))
+                layers.append(re.findall(r"`([a-z_][a-z_0-9]*)`", part))
     return layers
 
 

@@ -213,6 +213,40 @@ def test_central_storage_computing_on_logical_gpus(logical_gpus, compiled):
     assert_close_to(model, train_plain("cpu", data, init_device="cpu"), atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["mirrored", "central_storage"])
+def test_keras3_model_on_logical_gpus_matches_one_gpu(logical_gpus, kind):
+    """A Keras 3 model (KERAS_BACKEND=torch) made in the scope: Keras' own fit on two logical GPUs
+    of one card (or computing there with its variables on the host) gives one GPU's weights."""
+    pytest.importorskip("keras3_tutorial", reason="needs keras")  # sets KERAS_BACKEND=torch first
+    import keras
+    import numpy as np
+
+    data = np.random.default_rng(0).random((40, 6), dtype=np.float32)
+
+    def fit(strategy, device):
+        keras.utils.set_random_seed(3)
+        with strategy.scope() if strategy is not None else keras.device(device):
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        with keras.device(device):
+            history = model.fit(data, data[:, :2], batch_size=10, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), history.history
+
+    if kind == "mirrored":
+        strategy = td.MirroredStrategy(logical_gpus(2))
+        expected_device = "cuda:0"
+    else:
+        strategy = td.CentralStorageStrategy(logical_gpus(2), parameter_device="cpu")
+        expected_device = "cpu"
+    weights, history = fit(strategy, expected_device)
+    one_weights, one_history = fit(None, expected_device)
+    for actual, expected in zip(weights, one_weights, strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    for key, values in one_history.items():
+        np.testing.assert_allclose(history[key], values, rtol=1e-4, atol=1e-6)
+
+
 def test_logical_gpu_memory_limit_caps_the_process(logical_gpus):
     gpu = td.config.list_physical_devices("GPU")[0]
     with pytest.raises(td.InvalidArgumentError, match="same memory_limit"):

@@ -99,6 +99,28 @@ def test_fit_and_evaluate_on_a_dataloader_and_a_dataset_read_on_the_workers(resu
     assert errors["loader_batch_size"].startswith("InvalidArgumentError: batch_size is not supported"), errors
 
 
+@pytest.mark.timeout(120)
+def test_fit_with_backup_and_restore_resumes_after_the_coordinator_restarts(result):
+    """TensorFlow's parameter server tutorial as written: fit(..., callbacks=[BackupAndRestore(dir)]).
+    The first coordinator stops when its third epoch begins; a new model and optimizer (what a
+    restarted coordinator makes) restore the backup of the second epoch's end and finish."""
+    backup = result["backup"]
+    assert backup["first_begun"] == [0, 1] and backup["second_begun"] == [2, 3]
+    assert backup["restored_equal"]  # parameters (on the servers) and momentum, as saved
+    assert backup["files_after_crash"] and backup["files_at_end"] == []  # deleted once training ends
+    assert all(len(values) == 4 for values in backup["history"].values())  # the restored history goes on
+    assert "save_freq='epoch'" in backup["save_freq_error"], backup["save_freq_error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_keras3_model_is_refused_by_name_when_made_in_the_scope(result):
+    error = result["keras3_error"]
+    if error == "keras is not installed":
+        pytest.skip("needs keras (the test extra installs it)")
+    assert error.startswith("KerasUnsupportedError: A Keras layer (Dense) in ParameterServerStrategy.scope()"), error
+    assert "td.keras.Model" in error
+
+
 def test_dataset_creator_checks_its_arguments():
     with pytest.raises(td.InvalidArgumentError, match="takes a function input_context -> dataset"):
         td.keras.utils.experimental.DatasetCreator([1, 2])

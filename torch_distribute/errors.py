@@ -115,3 +115,17 @@ class LayoutError(DistributeError, ValueError):
     """A device mesh or layout that cannot work for the model: an axis that does not divide a
     dimension, a pattern that matches nothing, a module tensor parallelism cannot split, or
     workers that disagree on the layout."""
+class KerasIntegrationError(DistributeError, RuntimeError):
+    """A Keras 3 model (``KERAS_BACKEND=torch``) in a strategy's scope that this library cannot
+    train as one device would; the message says what to change. Its subclasses say why."""
+
+
+class KerasBackendError(KerasIntegrationError):
+    """Keras was imported with a backend other than ``torch`` (set ``KERAS_BACKEND=torch``
+    before the first ``import keras``), or is a version outside the range this library tests."""
+
+
+class KerasUnsupportedError(KerasIntegrationError):
+    """A strategy or a Keras setting this library does not serve for Keras 3 models (for
+    example ``FullyShardedStrategy``, ``jit_compile=True`` with several replicas, or Keras' own
+    ``keras.distribution`` combined with a strategy's scope)."""

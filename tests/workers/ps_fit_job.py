@@ -10,6 +10,8 @@ coordinator (buffer changes made on a worker reach the ps as deltas), and the co
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import torch
 from torch import nn
@@ -59,6 +61,86 @@ def dataset_fn(input_context):
     while True:
         x = torch.randn(16, 4, generator=generator)
         yield x, x @ w + 1.0
+
+
+def _state(model: td.keras.Model) -> list[float]:
+    """The model's parameters (read from the servers) and the optimizer's momentum buffers, flat."""
+    values = [v.reshape(-1) for v in model.state_dict().values()]
+    for state in model.optimizer.state_dict()["state"].values():
+        values += [v.reshape(-1) for v in state.values() if isinstance(v, torch.Tensor)]
+    return torch.cat(values).tolist()
+
+
+class Snapshots(td.keras.callbacks.Callback):
+    """The epochs begun, and the state at each epoch's beginning and end."""
+
+    def __init__(self, interrupt_at: int | None = None) -> None:
+        super().__init__()
+        self.interrupt_at = interrupt_at
+        self.begun: list[int] = []
+        self.at_begin: dict[int, list[float]] = {}
+        self.at_end: dict[int, list[float]] = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.interrupt_at:
+            raise RuntimeError("the coordinator stops here")
+        self.begun.append(epoch)
+        self.at_begin[epoch] = _state(self.model)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.at_end[epoch] = _state(self.model)
+
+
+def backup_and_restore_across_a_restart(strategy, creator) -> dict:
+    """TensorFlow's parameter server tutorial: fit with BackupAndRestore stops after two epochs;
+    a new model and optimizer (what a restarted coordinator makes) resume from the backup."""
+    backup_dir = tempfile.mkdtemp()
+
+    def fit(interrupt_at):
+        torch.manual_seed(len(os.listdir(backup_dir)) + 11)  # each "coordinator" starts elsewhere
+        with strategy.scope():
+            model = td.keras.Model(nn.Linear(4, 1))
+        model.compile(optimizer=td.keras.optimizers.SGD(learning_rate=0.02, momentum=0.9), loss="mse")
+        snapshots = Snapshots(interrupt_at)
+        callbacks = [td.keras.callbacks.BackupAndRestore(backup_dir=backup_dir), snapshots]
+        try:
+            history = model.fit(creator, epochs=4, steps_per_epoch=3, callbacks=callbacks, verbose=0)
+        except RuntimeError:
+            history = None
+        return snapshots, history
+
+    first, _ = fit(interrupt_at=2)
+    files_after_crash = sorted(os.listdir(backup_dir))
+    second, history = fit(interrupt_at=None)
+    return {"first_begun": first.begun, "second_begun": second.begun,
+            "restored_equal": second.at_begin[2] == first.at_end[1],
+            "history": history.history, "files_after_crash": files_after_crash,
+            "files_at_end": sorted(os.listdir(backup_dir)),
+            "save_freq_error": error_of(lambda: history.model.fit(
+                creator, epochs=1, steps_per_epoch=1, verbose=0,
+                callbacks=[td.keras.callbacks.BackupAndRestore(backup_dir, save_freq=2)]))}
+
+
+def keras3_model_refused(strategy) -> str:
+    """A Keras 3 model made in ParameterServerStrategy.scope(): the error it gets (a
+    td.KerasUnsupportedError when its first layer is built), or why nothing was tried."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    try:
+        import keras
+    except ImportError:
+        return "keras is not installed"
+
+    def make():
+        with strategy.scope():
+            keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+
+    try:
+        make()
+    except td.KerasUnsupportedError as error:
+        return f"KerasUnsupportedError: {error}"
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 def error_of(call) -> str:
@@ -112,6 +194,9 @@ if __name__ == "__main__":
     loader_evaluation = loader_model.evaluate(rows, batch_size=64, steps=4, return_dict=True, verbose=0)
     per_worker = coordinator.create_per_worker_dataset(loader)
     first_batch = coordinator.schedule(lambda it: next(it)[0].shape[0], args=(iter(per_worker),)).fetch()
+    loader_functions = sum(coordinator.worker_stats.values()) - sum(stats_before_loader.values())
+    backup = backup_and_restore_across_a_restart(strategy, creator)
+    keras3_error = keras3_model_refused(strategy)
     result = {
         "history": history.history,
         "train_batches": recorder.train_batches,
@@ -123,8 +208,10 @@ if __name__ == "__main__":
         "evaluate": evaluation,
         "loader_history": loader_history.history,
         "loader_evaluate": loader_evaluation,
-        "loader_functions": sum(coordinator.worker_stats.values()) - sum(stats_before_loader.values()),
+        "loader_functions": loader_functions,
         "first_batch": first_batch,
+        "backup": backup,
+        "keras3_error": keras3_error,
         "errors": {
             "generator": error_of(lambda: loader_model.fit((b for b in loader), epochs=1, steps_per_epoch=1,
                                                            verbose=0)),

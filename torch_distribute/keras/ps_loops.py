@@ -9,6 +9,13 @@ callbacks once per scheduled function, ``on_epoch_end`` after ``join()``), the p
 and the ``History``, whose values are the metrics' global values (metrics made in scope
 keep their state on the parameter servers, so every worker's updates count).
 
+With a ``BackupAndRestore`` callback (``save_freq="epoch"``), the coordinator backs up the
+model (the parameter servers' values), the optimizer, the metrics, the history and the
+callbacks' state after every epoch, once every function of the epoch has ended; a coordinator
+started again (after it crashed, or was preempted) restores them into the model it made and
+resumes at the next epoch, as TensorFlow's parameter server training does. The workers'
+datasets start again: a dataset function has no position to save.
+
 ``predict`` is not supported under this strategy, as in TensorFlow: ``check_predict`` says
 what to do instead.
 
@@ -28,8 +35,10 @@ from torch import nn
 from torch.utils import data
 
 from torch_distribute import nest
+from torch_distribute.checkpoint import Checkpoint
 from torch_distribute.coordinator import ClusterCoordinator
 from torch_distribute.errors import DatasetError, InvalidArgumentError
+from torch_distribute.fault_tolerance import BackupAndRestore as _Backup
 from torch_distribute.keras.callbacks.backup_and_restore import BackupAndRestore
 from torch_distribute.keras.callbacks.base import Callback, CallbackList
 from torch_distribute.keras.callbacks.history import History
@@ -181,10 +190,12 @@ def _check_model(model: TrainableModel, callbacks: Sequence[Callback] | None, ji
         raise InvalidArgumentError(
             "compile(jit_compile=True) is not supported under ParameterServerStrategy: the workers run "
             "the steps eagerly. Compile with jit_compile=False (or 'auto').")
-    if any(isinstance(c, BackupAndRestore) for c in callbacks or ()):
-        raise InvalidArgumentError(
-            "BackupAndRestore is not supported by fit under ParameterServerStrategy yet: save with "
-            "td.keras.callbacks.ModelCheckpoint or td.Checkpoint(model=..., optimizer=...) on the coordinator.")
+    for callback in callbacks or ():
+        if isinstance(callback, BackupAndRestore) and callback.save_freq != "epoch":
+            raise InvalidArgumentError(
+                f"BackupAndRestore(save_freq={callback.save_freq!r}) under ParameterServerStrategy: the "
+                "coordinator backs up after each epoch only (the steps run on the workers, whose datasets "
+                "have no position to save mid-epoch), as in TensorFlow. Use save_freq='epoch'.")
 
 
 def check_predict(strategy: Strategy) -> None:
@@ -244,13 +255,16 @@ def fit_loop(
     coordinator = ClusterCoordinator(strategy)
     train_iterator = iter(coordinator.create_per_worker_dataset(train_fn))
     val_iterator = iter(coordinator.create_per_worker_dataset(val_fn)) if val_fn is not None else None
-    callback_list, history, _ = make_callbacks(
+    callback_list, history, backup_callback = make_callbacks(
         model, callbacks, _verbose(verbose), {"epochs": epochs, "steps": steps_per_epoch, "in_fit": True})
     model.history = history
     model.stop_training = False
     callback_list.on_train_begin()
+    backup = _open_backup(model, strategy, backup_callback, history, callback_list)
     logs: dict[str, float] = {}
-    for epoch in range(initial_epoch, epochs):
+    epoch_numbers: Iterator[int] = (backup.epochs(epochs, initial_epoch) if backup is not None
+                                    else iter(range(initial_epoch, epochs)))
+    for epoch in epoch_numbers:
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         _train_epoch(model, strategy, steps, coordinator, train_iterator, steps_per_epoch, callback_list)
@@ -262,8 +276,23 @@ def fit_loop(
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
+    if backup is not None:
+        backup.finish()
     callback_list.on_train_end(logs)
     return history
+
+
+def _open_backup(model: TrainableModel, strategy: Strategy, callback: BackupAndRestore | None, history: History,
+                 callback_list: CallbackList) -> _Backup | None:
+    """The coordinator's backup of everything ``fit`` changes (restored now, if there is one)."""
+    if callback is None:
+        return None
+    metrics = Checkpoint(**{f"metric_{i}": m for i, m in enumerate(model.metrics)})
+    stateful = [c for c in callback_list.callbacks if c is not history and callable(getattr(c, "state_dict", None))]
+    states = Checkpoint(**{f"callback_{i}": c for i, c in enumerate(stateful)})
+    checkpoint = Checkpoint(model=model, optimizer=model.optimizer, metrics=metrics, history=history, callbacks=states)
+    return _Backup(checkpoint, callback.backup_dir, save_freq="epoch", delete_checkpoint=callback.delete_checkpoint,
+                   handle_preemption=False, strategy=strategy)
 
 
 def _train_epoch(model: TrainableModel, strategy: Strategy, steps: ReplicaSteps, coordinator: ClusterCoordinator,

@@ -183,7 +183,8 @@ class Strategy:
             replica_context = context.default_replica_context()
         context.push_frame(self, replica_context)
         try:
-            yield self
+            with interception.scope_listeners_entered(self):  # the Keras 3 integration, if loaded
+                yield self
         finally:
             context.pop_frame()
         if replica_context is None and not any(f.strategy is self for f in context.current_frames()):

@@ -154,6 +154,16 @@ class StrategyExtended:
     def finish_scope(self) -> None:
         """The outermost ``scope()`` of this strategy was left: finish what was captured."""
 
+    @property
+    def keeps_captured_tensors(self) -> bool:
+        """Whether the parameters and buffers captured in ``scope()`` stay the tensors this
+        strategy trains: code that holds a parameter itself rather than reading it from its
+        module at each call (a Keras 3 variable holds its ``torch.nn.Parameter``) then computes
+        with each replica's ``local_copies`` inside ``run`` and sees every update. False here:
+        a strategy may replace a module's parameters with others (sharded or remote ones),
+        which such code would never use."""
+        return False
+
     def owns(self, obj: object) -> bool:
         """Whether ``obj`` (a tensor or a module) holds state captured by this strategy."""
         return False

@@ -40,6 +40,9 @@ what it changes and why, installs it when the first strategy is made and undoes 
   meets the other replicas, which no graph can hold, and the update must stay exact.
 - A global ``register_optimizer_step_pre_hook`` refuses the step of an optimizer made
   outside the scope when several replicas would each step it.
+- Scope listeners (``add_scope_listener``): a layer above the strategies (the Keras 3
+  integration, ``keras3/``) is told when a scope is entered, may hold context managers open
+  while it lasts, and is told of every submodule registered in it, after the strategy.
 
 >>> import torch, torch_distribute as td
 >>> strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -52,11 +55,13 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -91,6 +96,48 @@ class ScopedStrategy(Protocol):
 
     @property
     def extended(self) -> StrategyExtended: ...
+
+
+class ScopeListener(Protocol):
+    """What a layer above the strategies is told of scopes (``add_scope_listener``).
+
+    >>> sorted(name for name in vars(ScopeListener) if not name.startswith("_"))
+    ['scope_entered', 'submodule_captured']
+    """
+
+    def scope_entered(self, strategy: ScopedStrategy) -> AbstractContextManager[Any] | None:
+        """``strategy.scope()`` is being entered: raise to refuse it, or return a context
+        manager to hold open while the scope lasts."""
+
+    def submodule_captured(self, strategy: ScopedStrategy, parent: torch.nn.Module, name: str,
+                           child: torch.nn.Module) -> None:
+        """``child`` was registered as ``parent.<name>`` inside the scope, after
+        ``strategy.extended.capture_submodule`` saw it."""
+
+
+_listeners: list[ScopeListener] = []
+
+
+def add_scope_listener(listener: ScopeListener) -> None:
+    """Tell ``listener`` of every scope entered and every submodule registered in one, from
+    now on (once, however often it is added). Listeners are plain objects of this process:
+    nothing in torch changes."""
+    if not any(known is listener for known in _listeners):
+        _listeners.append(listener)
+
+
+@contextlib.contextmanager
+def scope_listeners_entered(strategy: ScopedStrategy) -> Iterator[None]:
+    """What ``Strategy.scope()`` holds open: every listener's context for this scope."""
+    if strategy.is_default or not _listeners:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for listener in list(_listeners):
+            entered = listener.scope_entered(strategy)
+            if entered is not None:
+                stack.enter_context(entered)
+        yield
 
 
 _install_lock = threading.Lock()
@@ -156,6 +203,8 @@ def _on_submodule(module: torch.nn.Module, name: str, submodule: Any) -> Any:
     if strategy is not None and submodule is not None:
         _refuse_data_parallel_wrapper(module, strategy)
         strategy.extended.capture_submodule(module, name, submodule)
+        for listener in list(_listeners):
+            listener.submodule_captured(strategy, module, name, submodule)
     return None
 
 

@@ -16,7 +16,10 @@ two, for ``(batch, time)`` flattened): ``Tensor.mean()`` / ``torch.mean`` over a
 or over dimension 0, and torch's native losses with ``reduction="mean"``
 (``cross_entropy``/``nll_loss``, ``mse_loss``, ``binary_cross_entropy[_with_logits]``,
 ``smooth_l1_loss``, ``huber_loss``, margin losses); the composite ones (``l1_loss``,
-``kl_div``, ...) end in a mean and are caught as one.
+``kl_div``, ...) end in a mean and are caught as one. A Keras 3 loss with its default
+reduction (``"sum_over_batch_size"``) on the torch backend, whose graph is
+``where(count == 0, 0, sum / count)`` with ``count`` the summed tensor's size, is caught as one
+too (torch code does not wrap its division in a ``where``).
 
 Why there are no false positives on correct code:
 
@@ -59,6 +62,7 @@ import re
 from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from torch_distribute import nest
@@ -167,6 +171,8 @@ def describe_local_mean(loss: torch.Tensor, num_replicas: int, sizes: Container[
             if not shared and _mean_over_batch(node, sizes):
                 return "Tensor.mean() (or torch.mean, or a loss with reduction=\"mean\" such as F.l1_loss)"
             continue
+        if name == "WhereBackward0" and not shared and _keras_mean_over_batch(node, sizes):
+            return 'a Keras loss with reduction="sum_over_batch_size" (its default)'
         reduction = getattr(node, "_saved_reduction", None)
         if reduction is not None:
             if not shared and reduction == _REDUCTION_MEAN and _first_dim(getattr(node, "_saved_self", None)) in sizes:
@@ -182,7 +188,7 @@ def _inputs_with_scale(node: Any, name: str, shared: bool, divisor: float,
     replicas: a division by them (or by a multiple: ``/ (N * accumulation_steps)``, or
     ``/ accumulation_steps / N``), or a multiplication by exactly ``1 / N``."""
     inputs = [(k, fn) for k, (fn, _) in enumerate(node.next_functions) if fn is not None]
-    if name in _PASS_THROUGH:
+    if name in _PASS_THROUGH or name == "WhereBackward0":  # where(): each element of one input
         return [(fn, shared, divisor) for _, fn in inputs]
     if name == "MulBackward0":
         out = []
@@ -231,6 +237,22 @@ def _mean_over_batch(node: Any, sizes: Container[int]) -> bool:
     if not dims:  # MeanBackward0, or dim=[]: over every dimension
         return True
     return any(_normalized(int(d), len(shape)) == 0 for d in dims)
+
+
+def _keras_mean_over_batch(node: Any, sizes: Container[int]) -> bool:
+    """``where(count == 0, 0, t.sum() / count)`` (Keras' ``divide_no_nan`` on torch) with ``t``
+    a tensor of a replica's batch size rows and ``count`` its number of elements: a mean."""
+    for fn, _ in node.next_functions:
+        if fn is None or type(fn).__name__ != "DivBackward0":
+            continue
+        count = _scalar(getattr(fn, "_saved_other", None))
+        summed = [inner for inner, _ in fn.next_functions if inner is not None]
+        if count is _UNREADABLE or count is None or not summed or type(summed[0]).__name__ != "SumBackward0":
+            continue
+        shape = tuple(int(d) for d in getattr(summed[0], "_saved_self_sym_sizes", ()))
+        if shape and shape[0] in sizes and abs(float(count) - float(np.prod(shape))) < 0.5:
+            return True
+    return False
 
 
 def _normalized(dim: int, rank: int) -> int:

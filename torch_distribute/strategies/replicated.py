@@ -89,6 +89,12 @@ class ReplicatedExtended(StrategyExtended):
     def finish_scope(self) -> None:
         self._state.sync_stale()
 
+    @property
+    def keeps_captured_tensors(self) -> bool:
+        # Replicas compute with copies found by the identity of the user's tensor
+        # (ReplicaTensorMode): whoever holds that tensor computes with the replica's copy.
+        return True
+
     def _replicas_share_a_device(self) -> bool:
         """Whether some replicas share a device (CPU replicas, logical GPUs of one card): those
         can share compiled graphs."""

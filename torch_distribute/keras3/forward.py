@@ -1,0 +1,262 @@
+"""The forward of a served Keras model within a step: its global batch spread over the replicas.
+
+Within ``train_step``/``test_step``/``predict_step`` (``step_context``), the model's call on
+the global batch is cut as a distributed dataset cuts it (``input/batching.py``: sub-batches
+whose sizes differ by at most one, worker by worker, replica by replica). Each local replica
+runs the whole Keras call (``model(x_k, training=...)``: its own call context, autocast and
+masks) in ``strategy.run``, so it computes with its own copies of the variables, on its own
+device (``keras.device``). The replicas' outputs are concatenated on the primary device and,
+with several workers, gathered from every worker in worker order.
+
+Everything after the forward (the loss, the metrics, a ``train_step`` of the user's own)
+then sees the outputs of the whole global batch, on every worker, exactly as one device
+would: the loss is the one-device loss, and backward gives each replica (through the
+concatenation) and each worker (through ``GatheredRows``, whose backward keeps this worker's
+rows of the gradient: every worker computed the same loss) its share of the gradient, which
+the optimizer sums (``gradients.py``).
+
+Each replica's forward runs in a ``keras.StatelessScope`` of its own: what it assigns to the
+model's variables (``BatchNormalization``'s moving statistics, a seed generator's state) and
+the losses it adds (``add_loss``, activity regularizers) are collected, not applied, so every
+replica computes from the same state. Then floating variables get the mean over the replicas
+and workers (as TensorFlow's ON_READ MEAN variables), others replica 0's value, and the added
+losses are added to the model as one device would have them (each replica's weighted by its
+share of the global batch, summed over every replica and worker).
+
+>>> row_ranges(7, num_workers=2, num_local_replicas=2, worker_index=1)
+(4, [2, 1])
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_distribute import context, nest
+from torch_distribute.errors import KerasUnsupportedError
+from torch_distribute.input.batching import batch_sizes_for_worker
+from torch_distribute.keras3 import keras_seams
+from torch_distribute.reduce_op import ReduceOp
+from torch_distribute.values import PerReplica, select_replica
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies import Strategy
+
+
+def row_ranges(rows: int, num_workers: int, num_local_replicas: int, worker_index: int) -> tuple[int, list[int]]:
+    """Where this worker's rows of a global batch start, and how many each of its replicas
+    gets (the cut of ``input/batching.py``, in global replica order)."""
+    sizes = batch_sizes_for_worker(rows, num_workers, num_local_replicas, 0)
+    first = worker_index * num_local_replicas
+    return sum(sizes[:first]), sizes[first:first + num_local_replicas]
+
+
+def batch_rows(inputs: Any) -> int | None:
+    """The batch size of ``inputs`` (the first dimension of its tensors), or ``None`` where it
+    has no batched tensor."""
+    for leaf in nest.leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return None
+
+
+def _rows(structure: Any, rows: int, start: int, count: int) -> Any:
+    """Rows ``start:start+count`` of every tensor in ``structure`` with ``rows`` rows."""
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == rows:
+            return leaf[start:start + count]
+        return leaf
+    return nest.map_structure(cut, structure)
+
+
+def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwargs: dict, training: bool) -> Any:
+    """``model(*args, **kwargs)`` on the global batch in ``args[0]``, computed by every replica
+    of every worker on its rows; the outputs of the whole batch."""
+    extended = strategy.extended
+    rows = batch_rows(args[0])
+    if rows is None:
+        raise KerasUnsupportedError(
+            f"A {type(model).__name__} called with no batched tensor in its first argument inside "
+            f"a step under {type(strategy).__name__}: the batch cannot be spread over the replicas."
+        )
+    start, local_sizes = row_ranges(rows, extended.num_workers_in_sync, extended.num_local_replicas,
+                                    extended.worker_index)
+    local_rows = sum(local_sizes)
+    per_replica, offset = [], start
+    for size in local_sizes:
+        per_replica.append((_rows(args, rows, offset, size), _rows(kwargs, rows, offset, size)))
+        offset += size
+    devices = extended.replica_devices
+    states = list(model.non_trainable_variables) if training else []
+
+    def replica_forward(inputs: tuple[tuple, dict]) -> Any:
+        replica_args, replica_kwargs = inputs
+        local_id = context.get_replica_context().local_replica_id
+        device = devices[local_id]
+        # The replica's variable updates and added losses are collected, not applied: each
+        # replica computes from the same state, and the updates are combined below.
+        with keras.device(str(device)), keras.StatelessScope(collect_losses=True) as scope:
+            out = model(*_on(replica_args, device), **_on(replica_kwargs, device))
+        return out, _Collected(list(scope.losses), [scope.get_current_value(v) for v in states])
+
+    value: Any = PerReplica(per_replica) if len(per_replica) > 1 else per_replica[0]
+    result = strategy.run(replica_forward, args=(value,))
+    results = [select_replica(k, result) for k in range(len(per_replica))]
+    collected = [r[1] for r in results]
+    _add_losses(strategy, model, collected, local_sizes, rows)
+    if states:
+        _update_states(strategy, states, collected)
+    outputs = tuple(r[0] for r in results)
+    local = _concatenate(outputs, local_sizes, extended.primary_device, model)
+    masks = _concatenate(tuple(nest.map_structure(lambda t: _mask_of(keras, t), out) for out in outputs),
+                         local_sizes, extended.primary_device, model)
+    if extended.num_workers_in_sync > 1:
+        local = nest.map_structure(lambda t: gather_rows(extended, t, start, local_rows), local)
+        masks = nest.map_structure(lambda m: extended.gather_across_workers(m, 0) if isinstance(m, torch.Tensor) else m,
+                                   masks)
+    for tensor, mask in zip(nest.leaves(local), nest.leaves(masks), strict=True):
+        if isinstance(tensor, torch.Tensor) and isinstance(mask, torch.Tensor):
+            keras_seams.set_output_mask(keras, tensor, mask)
+    return local
+
+
+def _mask_of(keras: ModuleType, tensor: Any) -> Any:
+    """The mask Keras attached to a replica's output (a placeholder leaf where none)."""
+    mask = keras_seams.output_mask(keras, tensor) if isinstance(tensor, torch.Tensor) else None
+    return mask if mask is not None else _NO_MASK
+
+
+_NO_MASK = "no mask"  # a leaf every replica shares, so the masks' nest has the outputs' shape
+
+
+class _Collected:
+    """What one replica's forward added (losses) and changed (the state variables' values, or
+    ``None`` where unchanged), carried out of ``strategy.run`` as one value."""
+
+    __slots__ = ("losses", "values")
+
+    def __init__(self, losses: list[Any], values: list[Any]):
+        self.losses = losses
+        self.values = values
+
+
+def _add_losses(strategy: Strategy, model: Any, collected: list[_Collected], sizes: list[int], rows: int) -> None:
+    """The losses the replicas' forwards added (``add_loss``, activity regularizers), as one
+    device's: each replica's, a mean over its rows, weighted by its share of the global batch,
+    summed over every replica and worker, added to ``model`` (differentiably)."""
+    extended = strategy.extended
+    counts = [len(c.losses) for c in collected]
+    if extended.num_workers_in_sync > 1:  # every worker adds one loss, or none
+        total_count = extended.reduce_across_workers(torch.tensor([float(max(counts))], dtype=torch.float64))
+        anywhere = float(total_count[0]) > 0
+    else:
+        anywhere = max(counts) > 0
+    if not anywhere:
+        return
+    device = extended.primary_device
+    local = torch.zeros((), device=device)
+    for part, size in zip(collected, sizes, strict=True):
+        for loss in part.losses:
+            local = local + loss.to(device).float().sum() * (size / rows)
+    total = SummedOverWorkers.apply(local, extended) if extended.num_workers_in_sync > 1 else local
+    model.add_loss(total)
+
+
+class SummedOverWorkers(torch.autograd.Function):
+    """A loss term summed over the workers; backward passes each worker its own term's
+    gradient (every worker computed the same total)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, extended: Any) -> torch.Tensor:  # type: ignore[override]
+        return extended.reduce_across_workers(local.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _update_states(strategy: Strategy, states: list[Any], collected: list[_Collected]) -> None:
+    """Apply what the replicas' forwards assigned to the model's non-trainable variables:
+    floating ones get the mean over the replicas (and workers) that changed them
+    (``BatchNormalization``'s moving statistics, as TensorFlow's ON_READ MEAN variables), the
+    others replica 0's value (a seed generator's state: every replica advanced it alike)."""
+    extended = strategy.extended
+    changed = [any(c.values[i] is not None for c in collected) for i in range(len(states))]
+    if extended.num_workers_in_sync > 1:  # every worker averages the same variables
+        flags = torch.tensor([1.0 if c else 0.0 for c in changed], dtype=torch.float64)
+        changed = [f > 0 for f in extended.reduce_across_workers(flags).tolist()]
+    floating: dict[torch.dtype, list[int]] = {}
+    for i, variable in enumerate(states):
+        if not changed[i]:
+            continue
+        current = variable.value
+        if current.is_floating_point():
+            floating.setdefault(current.dtype, []).append(i)
+        elif collected[0].values[i] is not None:
+            variable.assign(collected[0].values[i])
+    with torch.no_grad():
+        for indices in floating.values():
+            flats = []
+            for part in collected:
+                flats.append(torch.cat([
+                    (part.values[i] if part.values[i] is not None else states[i].value).detach().reshape(-1)
+                    .to(extended.primary_device) for i in indices]))
+            value: Any = PerReplica(flats) if len(flats) > 1 else flats[0]
+            mean = extended.reduce_to(ReduceOp.MEAN, value, extended.primary_device)
+            offset = 0
+            for i in indices:
+                variable = states[i]
+                n = variable.value.numel()
+                variable.assign(mean[offset:offset + n].view(variable.value.shape))
+                offset += n
+
+
+def _on(structure: Any, device: torch.device) -> Any:
+    return nest.map_structure(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) and leaf.device != device else leaf,
+        structure)
+
+
+def _concatenate(outputs: tuple[Any, ...], sizes: list[int], device: torch.device, model: Any) -> Any:
+    """The local replicas' outputs, concatenated along the batch (differentiably)."""
+    def join(*pieces: Any) -> Any:
+        if not all(isinstance(p, torch.Tensor) for p in pieces):
+            return pieces[0]
+        for piece, size in zip(pieces, sizes, strict=True):
+            if piece.dim() == 0 or piece.shape[0] != size:
+                raise KerasUnsupportedError(
+                    f"{type(model).__name__} returned an output of shape {tuple(piece.shape)} for "
+                    f"{size} rows of input: under several replicas every output must have the "
+                    "batch as its first dimension, so that the replicas' outputs can be joined."
+                )
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([p.to(device) for p in pieces], dim=0)
+
+    return nest.map_structure_up_to(list(outputs), join)
+
+
+class GatheredRows(torch.autograd.Function):
+    """Every worker's rows of an output, in worker order; backward keeps this worker's rows
+    of the gradient (each worker computed the same loss on the same gathered outputs)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, extended: Any, start: int, count: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = (start, count)
+        return extended.gather_across_workers(local, 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        start, count = ctx.rows
+        return grad[start:start + count], None, None, None
+
+
+def gather_rows(extended: Any, local: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """``local`` (this worker's ``count`` rows, starting at ``start`` of the global batch) from
+    every worker, differentiable."""
+    if not isinstance(local, torch.Tensor):
+        return local
+    gathered = GatheredRows.apply(local, extended, start, count)
+    return gathered

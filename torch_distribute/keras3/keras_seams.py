@@ -1,0 +1,202 @@
+"""Everything the Keras 3 integration changes in Keras, and what it relies on, in one table.
+
+Keras 3 on torch offers no distribution hook: its ``fit`` runs ``train_step`` on the calling
+thread, a model calls its variables' tensors directly, and an optimizer updates them itself.
+So the integration uses Keras' documented override points on the model it serves (its
+``call``, ``train_step``/``test_step``/``predict_step``, ``fit``/``evaluate``/``predict``, set
+on that instance only: ``serving.py``) and wraps one public method of Keras' optimizer
+classes, ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
+through (``apply_gradients`` calls it). Nothing private of Keras is read or replaced.
+
+One Keras internal is read (nothing is changed through it): a layer's output carries its mask
+in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`` /
+``set_keras_mask``; Keras has no public accessor), which the losses use. The replicas'
+outputs are joined into new tensors, so their masks are joined too (``output_mask``,
+``set_output_mask``), else a masked sequence model would train on its padding.
+
+``CHANGES`` lists them with why and when; ``KERAS_TARGETS`` is the call shape each relies on,
+as found on the Keras versions in ``loaded.TESTED_KERAS``. ``tests/test_keras3.py`` compares
+them with the installed Keras, so a Keras release that changes one fails in CI first.
+
+>>> [change.target for change in CHANGES][:1]
+['keras.optimizers.Optimizer.apply']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from torch_distribute import context
+from torch_distribute.keras3 import gradients, step_context
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One change to Keras (or to an object Keras made), and why it is made.
+
+    >>> Change("keras.X.y", "wrapped", "no hook", "at first use", "never").target
+    'keras.X.y'
+    """
+
+    target: str  #: what is changed
+    change: str  #: what is done to it
+    why: str  #: why Keras offers no public hook instead
+    installed: str  #: when it is made
+    undone: str  #: when it is undone, or why not
+
+
+_APPLY_WHY = ("a Keras optimizer updates its variables itself (not through torch.optim), once "
+              "per call; under several replicas it must apply, once, the gradient summed over "
+              "every replica and worker, and Keras has no distribution hook on torch")
+_FIRST_MODEL = "when a strategy's scope is first entered with Keras imported (scope listener)"
+_KEPT = ("never in a program (it passes through at once outside strategy.run and outside a served "
+         "model's step); uninstall() undoes it, for tests")
+
+CHANGES: tuple[Change, ...] = (
+    Change("keras.optimizers.Optimizer.apply", "wrapped: inside strategy.run with several replicas "
+           "it sums every replica's gradients in a merge_call and applies once; in a served "
+           "model's train_step it sums the replicas' and workers' shares first (gradients.py)",
+           _APPLY_WHY, _FIRST_MODEL, _KEPT),
+    Change("keras.optimizers.LossScaleOptimizer.apply", "wrapped as Optimizer.apply (it defines its "
+           "own): the inf/NaN check sees the summed gradient; its inner optimizer's apply then "
+           "passes through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
+    Change("keras.optimizers.MultiOptimizer.apply", "wrapped as Optimizer.apply (it defines its "
+           "own); its inner optimizers' apply then pass through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
+    Change("a served model's call, train_step, test_step, predict_step, fit, evaluate, predict",
+           "set on that instance (its class is untouched, so model.save records plain Keras): the "
+           "forward is spread over the replicas within a step, and fit runs in the strategy's "
+           "scope with its callbacks adapted to several workers (serving.py)",
+           "these are the documented ways to change what fit does; a Keras model made in a scope "
+           "is found by the torch module registration hooks the strategy already uses",
+           "when the model is made (or built) in a strategy's scope", "never: the model belongs to "
+           "its strategy, as in TensorFlow"),
+)
+
+#: What each change relies on in Keras: the call shape of each target, on the tested versions.
+KERAS_TARGETS: dict[str, str] = {
+    "optimizers.Optimizer.apply": "(self, grads, trainable_variables=None)",
+    "optimizers.LossScaleOptimizer.apply": "(self, grads, trainable_variables=None)",
+    "optimizers.MultiOptimizer.apply": "(self, grads, trainable_variables=None)",
+    "Model.train_step": "(self, data)",
+    "Model.test_step": "(self, data)",
+    "Model.predict_step": "(self, data)",
+    "src.backend.get_keras_mask": "(x)",
+    "src.backend.set_keras_mask": "(x, mask)",
+    "Model.fit": ("(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
+                  "validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, "
+                  "sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None, "
+                  "validation_batch_size=None, validation_freq=1)"),
+}
+
+_APPLY_CLASSES = ("Optimizer", "LossScaleOptimizer", "MultiOptimizer")
+_lock = threading.Lock()
+_undo: list[Callable[[], None]] = []
+_depth = threading.local()  # wrapped applies running on this thread (the outermost sums)
+
+
+def call_shape(keras: ModuleType, dotted: str) -> str:
+    """The signature of ``keras.<dotted>`` as text (what ``KERAS_TARGETS`` records).
+
+    >>> import sys
+    >>> keras = sys.modules.get("keras")
+    >>> keras is None or call_shape(keras, "Model.train_step") == "(self, data)"
+    True
+    """
+    target: Any = keras
+    for part in dotted.split("."):
+        target = getattr(target, part)
+    return str(inspect.signature(target))
+
+
+def output_mask(keras: ModuleType, tensor: Any) -> Any:
+    """The mask Keras attached to a layer's output, or ``None``."""
+    return keras.src.backend.get_keras_mask(tensor)
+
+
+def set_output_mask(keras: ModuleType, tensor: Any, mask: Any) -> None:
+    """Attach ``mask`` to ``tensor`` as Keras attaches a layer's output mask."""
+    keras.src.backend.set_keras_mask(tensor, mask)
+
+
+def _wrap_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        depth = getattr(_depth, "value", 0)
+        if depth:
+            return original(self, grads, trainable_variables)
+        _depth.value = 1
+        try:
+            return _route(original, self, grads, trainable_variables)
+        finally:
+            _depth.value = 0
+
+    apply.__torch_distribute_wrapped__ = True  # type: ignore[attr-defined]
+    return apply
+
+
+def _route(original: Callable[..., Any], optimizer: Any, grads: Any, variables: Any) -> Any:
+    replica = context.get_replica_context()
+    if replica is not None and replica.num_replicas_in_sync > 1:
+        if variables is None:
+            variables = _require_variables(optimizer)
+        return gradients.apply_in_replica(
+            replica, lambda summed, vs: original(optimizer, summed, vs), list(grads), list(variables))
+    step = step_context.current()
+    if step is not None and step.kind == "train" and not step.forwarding:
+        strategy = step.strategy
+        if strategy.num_replicas_in_sync > 1:
+            if variables is None:
+                variables = _require_variables(optimizer)
+            variables = list(variables)
+            grads = gradients.sum_for_step(strategy, list(grads), variables)
+    return original(optimizer, grads, variables)
+
+
+def _require_variables(optimizer: Any) -> list[Any]:
+    from torch_distribute.errors import KerasUnsupportedError
+
+    raise KerasUnsupportedError(
+        f"{type(optimizer).__name__}.apply(grads) was called without its variables under a "
+        "strategy with several replicas; pass them: optimizer.apply(grads, model.trainable_variables)."
+    )
+
+
+def install(keras: ModuleType) -> None:
+    """Wrap the optimizers' ``apply`` (idempotent, thread-safe)."""
+    with _lock:
+        if _undo:
+            return
+        for name in _APPLY_CLASSES:
+            cls = getattr(keras.optimizers, name, None)
+            if cls is None or getattr(cls.__dict__.get("apply"), "__torch_distribute_wrapped__", False):
+                continue
+            own = cls.__dict__.get("apply")
+            setattr(cls, "apply", _wrap_apply(cls.apply))  # noqa: B010 - a class attribute, undone below
+            _undo.append(functools.partial(_restore, cls, own))
+
+
+def _restore(cls: type, own: Any) -> None:
+    if own is None:
+        delattr(cls, "apply")  # noqa: B043 - back to the inherited method
+    else:
+        setattr(cls, "apply", own)  # noqa: B010
+
+
+def installed() -> bool:
+    """Whether ``install`` is in force."""
+    return bool(_undo)
+
+
+def uninstall() -> bool:
+    """Undo ``install`` (for tests); returns whether anything was installed."""
+    with _lock:
+        done = bool(_undo)
+        while _undo:
+            _undo.pop()()
+        return done
