@@ -29,10 +29,9 @@ What each worker still does itself: dynamo's tracing of the step and AOTAutograd
 graph (its cache entry is written only after the first backward), and loading the result.
 
 >>> import torch
->>> compiled = compile_shared(lambda graph, inputs: "built", torch.fx.symbolic_trace(torch.nn.ReLU()),
-...                           [torch.ones(2)], options=("default",))
->>> compiled
-'built'
+>>> relu = torch.fx.symbolic_trace(torch.nn.ReLU())
+>>> graph_key(relu, [torch.ones(2)], "default") == graph_key(relu, [torch.ones(2, device="meta")], "default")
+False
 """
 
 from __future__ import annotations
@@ -128,7 +127,11 @@ def _attribute(graph: torch.nn.Module, dotted: str) -> Any:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return (f"{type(value).__name__}{tuple(value.shape)}{tuple(value.stride())} {value.dtype} "
+        try:
+            strides = str(tuple(value.stride()))
+        except (RuntimeError, NotImplementedError):  # sparse and nested tensors have none
+            strides = "(no strides)"
+        return (f"{type(value).__name__}{tuple(value.shape)}{strides} {value.layout} {value.dtype} "
                 f"{value.device} {value.requires_grad}")
     if value is None or isinstance(value, (bool, int, float, str, torch.SymInt, torch.SymFloat)):
         return f"{type(value).__name__} {value}"
@@ -177,7 +180,6 @@ def compile_shared(compile_graph: Callable[[torch.fx.GraphModule, Sequence[Any]]
     done = os.path.join(directory, key + ".done")
     if os.path.exists(done):
         return compile_graph(graph, example_inputs)
-    os.makedirs(directory, exist_ok=True)
     descriptor = _lock(os.path.join(directory, key + ".lock"), float(inductor_config.file_lock_timeout))
     if descriptor is None:
         return compile_graph(graph, example_inputs)
@@ -201,8 +203,9 @@ def _lock(path: str, timeout_s: float) -> int | None:
     """The descriptor of ``path`` locked exclusively, waiting up to ``timeout_s``; None if
     the lock could not be had (the caller compiles without it)."""
     try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as error:
+    except OSError as error:  # e.g. a cache directory this process may not write
         _logger.info("compiling without the host's compile lock: %s", error)
         return None
     deadline = time.monotonic() + timeout_s
