@@ -46,6 +46,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: ``examples`` is a package
 
 RESULT = "FSDPGPUBENCH "
+PROFILE_RESULT = "FSDPGPUPROFILE "
 PROFILE_STEPS = 5
 PROFILE_ROWS = 12
 VARIANTS = ("ours", "FSDP2")
@@ -127,7 +128,7 @@ def _hand(args: argparse.Namespace, device: torch.device):
     return step, batches, model
 
 
-def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_child(variant: str, args: argparse.Namespace, later: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     device = torch.device(args.device)
@@ -155,8 +156,9 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
               for n, p in model.named_parameters()}
     path = os.path.join(args.params_dir, f"{variant}.pt")
     torch.save(params, path)
-    profiled = _profile(step, batch, synchronize, on_gpu) if args.profile else None
-    return {"ms_per_step": seconds * 1e3, "last_loss": float(loss), "profile": profiled,
+    if args.profile:  # after the timings are out: a profiler failure loses only the profile
+        later["profile"] = lambda: _profile(step, batch, synchronize, on_gpu)
+    return {"ms_per_step": seconds * 1e3, "last_loss": float(loss),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
             "num_params": sum(p.numel() for p in params.values())}
 
@@ -206,9 +208,18 @@ def spawn(variant: str, args: argparse.Namespace, profile: bool = False) -> dict
     if profile:
         cmd.append("--profile")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    found: dict[str, Any] | None = None
     for line in out.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
+            found = json.loads(line[len(RESULT):])
+        elif line.startswith(PROFILE_RESULT) and found is not None:
+            found["profile"] = json.loads(line[len(PROFILE_RESULT):])
+    if found is not None:
+        if profile and "profile" not in found:
+            found["profile"] = {"device_table": "", "host_table": f"(the profile failed: exit status "
+                                f"{out.returncode})\n{out.stderr[-1500:]}", "per_step": {},
+                                "wall_ms_per_step": float("nan"), "device_busy_ms_per_step": None}
+        return found
     raise RuntimeError(f"{variant} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
 
@@ -228,7 +239,10 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(RESULT + json.dumps(run_child(args.child, args)), flush=True)
+        later: dict[str, Any] = {}
+        print(RESULT + json.dumps(run_child(args.child, args, later)), flush=True)
+        if "profile" in later:
+            print(PROFILE_RESULT + json.dumps(later["profile"]()), flush=True)
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_fully_sharded_gpu.py needs a CUDA GPU (--device cpu only checks the script).")
