@@ -4,7 +4,8 @@ Each job is ``python -m torch_distribute.launch --nproc N`` of this script in ``
 mode, on a fresh, empty inductor cache directory (``TORCHINDUCTOR_CACHE_DIR``; the
 precompiled headers inductor keeps under its default directory are left alone, as they are
 for every job), with ``OMP_NUM_THREADS=1`` in every worker (the launcher sets it for N > 1;
-set for N = 1 too, so that every job runs the same single-threaded workers). Each worker
+set for N = 1 too, so that every job runs the same single-threaded workers;
+``--launcher-threads`` leaves it to the launcher: torch's default, 2 threads here, for N = 1). Each worker
 makes a ``MultiWorkerMirroredStrategy`` (one CPU replica per worker, Gloo), the tutorial CNN
 and Adam in its scope, and runs the distributed step under ``@td.function`` on global
 batches of 64: the first call compiles, a second call checks that nothing compiles again.
@@ -128,10 +129,12 @@ def worker() -> None:
 
 
 # -- the parent: jobs, rounds, medians ---------------------------------------------------------
-def run_job(workers: int, variant: str) -> dict[str, Any]:
+def run_job(workers: int, variant: str, launcher_threads: bool = False) -> dict[str, Any]:
     cache = tempfile.mkdtemp(prefix="td-bench-inductor-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TD_COMPILE_ONCE=VARIANTS[variant], OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    if launcher_threads:
+        env.pop("OMP_NUM_THREADS")
     command = [sys.executable, "-m", "torch_distribute.launch", "--nproc", str(workers),
                "--timeout", str(JOB_TIMEOUT_S - 30), HERE, "--worker"]
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -165,6 +168,8 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2,4", help="comma-separated worker counts (1 is the reference)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="once,each", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--launcher-threads", action="store_true",
+                        help="leave OMP_NUM_THREADS to the launcher (torch's default for one worker)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -178,14 +183,16 @@ def main() -> None:
     from common import load_average, machine_line
 
     print(f"# {machine_line()}; global batch {GLOBAL_BATCH}, tutorial CNN, Adam, MultiWorkerMirroredStrategy, "
-          f"one CPU replica per worker, OMP_NUM_THREADS=1, fresh inductor cache per job, {args.rounds} rounds",
+          f"one CPU replica per worker, "
+          f"{'OMP_NUM_THREADS as the launcher sets it' if args.launcher_threads else 'OMP_NUM_THREADS=1'}, "
+          f"fresh inductor cache per job, {args.rounds} rounds",
           flush=True)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {(v, n): [] for v in variants for n in counts}
     checksums: dict[int, set[float]] = {n: set() for n in counts}
     for round_index in range(args.rounds):
         for variant in variants:
             for workers in counts:
-                result = run_job(workers, variant)
+                result = run_job(workers, variant, args.launcher_threads)
                 runs[variant, workers].append(result)
                 if result["status"] != "ok":
                     print(f"round {round_index + 1} {variant} x{workers}: {result['status']}\n{result['tail']}", flush=True)
