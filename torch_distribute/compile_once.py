@@ -22,8 +22,9 @@ off (``torch.compiler.config.force_disable_caches``, ``torch._inductor.config.fx
 marked, and every worker compiles it at once, as without the lock), or with
 ``TD_COMPILE_ONCE=0``. A worker waits at most ``torch._inductor.config.file_lock_timeout``
 seconds (600 by default, inductor's limit for its own kernel locks), then compiles anyway; the
-lock is ``flock``'s, which the system releases when its holder dies. Compiling holds no other
-lock and waits for no other worker, so the wait always ends.
+lock is ``flock``'s, which the system releases when its holder dies. A compile under the lock
+waits for no other worker (it runs no collective), so the wait always ends; in one process,
+dynamo's own compile lock already lets one thread compile at a time.
 
 What each worker still does itself: dynamo's tracing of the step and AOTAutograd's of the
 graph (its cache entry is written only after the first backward), and loading the result.
