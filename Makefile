@@ -67,9 +67,9 @@ bench: setup
 
 # On a GPU machine: tests/test_gpu.py and the GPU benchmarks, one dated report in benchmarks/.
 # Uses the interpreter whose torch sees the GPU (no .venv: GPU machines carry a CUDA torch);
-# without a GPU it prints its plan and exits 0.
+# without a GPU it prints its plan and exits 0. ARGS: its options, e.g. ARGS="--only issue45 --budget 540".
 gpu-report:
-	$(PYTHON) benchmarks/gpu_report.py
+	$(PYTHON) benchmarks/gpu_report.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info

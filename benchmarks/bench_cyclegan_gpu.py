@@ -45,6 +45,22 @@ Options applying to every variant: ``--bf16`` (the forward pass and the losses u
 one invocation (four times the processes: ~15 min with the defaults; to keep it short, e.g.
 ``--all-options --rounds 1 --variants hand-eager,hand-compiled,one-function``).
 ``torch.backends.cudnn.benchmark`` is on in every variant (``--no-cudnn-benchmark``: off).
+``--fused-adam``: the four Adam optimizers with ``fused=True`` (one kernel per step).
+
+``--profile``: after its timed steps, each process profiles ``PROFILE_STEPS`` more with
+``torch.profiler`` (CPU, and CUDA on a GPU) and reports the ops that cost the most (self
+device time on a GPU, self CPU time on the CPU), the convolution backward kernels per step
+(``td.function`` compiles the four networks' forward as one graph, whose backward each of
+the four ``backward(inputs=...)`` runs whole), the host syncs per step (``item`` calls and
+CUDA synchronizations) and dynamo's graph breaks with their reasons.
+
+``--numerics-reference``: every variant records its ``loss_G/total`` at every step (kept on
+the device, read after the timing), and one more process runs ``hand-eager`` in float32,
+contiguous, with Adam unfused, for as many steps from the same weights and images: for each
+variant the report gives the first step's relative difference from it (the same weights: the
+precision alone), the relative difference of the mean over the last 50 steps, and whether
+every loss stayed finite. A few hundred steps (``--warmup 10 --steps 190``) check that the
+faster settings train alike; GAN losses wander, so a few percent on the late mean is normal.
 
 Each (options, variant) pair runs in its own process, ``--rounds`` times, interleaved (in
 each round every option combination, and within it every variant, in turn). A process runs
@@ -81,6 +97,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -95,6 +112,7 @@ sys.path.insert(0, REPO)  # examples.cyclegan, and torch_distribute from this ch
 import torch  # noqa: E402
 
 RESULT = "CYCLEGANBENCH "
+PROFILE_RESULT = "CYCLEGANPROFILE "
 HORSE2ZEBRA_STEPS = 1067  # trainA; the tutorial zips the two domains (batch 1)
 GOAL_EPOCH_S = 40.0
 VARIANTS = ("hand-eager", "hand-compiled", "one-eager", "one-function", "mirrored2",
@@ -102,6 +120,10 @@ VARIANTS = ("hand-eager", "hand-compiled", "one-eager", "one-function", "mirrore
 DEFAULT_VARIANTS = VARIANTS[:5]
 HOST_PAIRS = 4  # distinct random image pairs, cycled
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+PROFILE_STEPS = 5
+PROFILE_ROWS = 15
+NUMERICS_REFERENCE = "fp32-eager-reference"  # the extra process of --numerics-reference
+LATE_STEPS = 50  # the late mean of --numerics-reference
 
 
 def _log(message: str) -> None:
@@ -142,7 +164,7 @@ def _hand_runner(variant: str, args: argparse.Namespace, device: torch.device, a
 
     global_batch = args.batch_size
     torch.manual_seed(0)
-    gan = build_cyclegan(_model_config(args))  # outside any scope: plain modules
+    gan = build_cyclegan(_model_config(args), fused=True if args.fused_adam else None)  # outside any scope
     memory_format = torch.channels_last if args.channels_last else torch.preserve_format
     for model in gan.models().values():
         model.to(device, memory_format=memory_format)  # same Parameter objects: optimizers keep them
@@ -210,7 +232,7 @@ def _strategy_runner(variant: str, args: argparse.Namespace, device: torch.devic
     global_batch = args.batch_size * strategy.num_replicas_in_sync
     with strategy.scope():
         torch.manual_seed(0)
-        gan = build_cyclegan(_model_config(args))
+        gan = build_cyclegan(_model_config(args), fused=True if args.fused_adam else None)
         if args.channels_last:  # in the scope: the replicas' copies are made from these
             for model in gan.models().values():
                 model.to(memory_format=torch.channels_last)
@@ -249,21 +271,31 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
     iterator = iter(batches)
     started = time.perf_counter()
-    loss = step(next(iterator))
+    loss = first_loss = step(next(iterator)).detach()
     synchronize()
     first_step_s = time.perf_counter() - started
+    warmup_losses = []
     for _ in range(args.warmup - 1):
         loss = step(next(iterator))
+        warmup_losses.append(loss.detach())
     synchronize()
     warmup_s = time.perf_counter() - started
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
+    losses = [first_loss, *warmup_losses]
     started = time.perf_counter()
     for batch in iterator:
         loss = step(batch)
+        if args.numerics_reference:
+            losses.append(loss.detach())  # read after the timing: no host sync per step
     synchronize()
     seconds = (time.perf_counter() - started) / args.steps
-    return {
+    extra: dict[str, Any] = {}
+    if args.numerics_reference:
+        extra["losses"] = [float(value) for value in losses]
+    if args.profile:  # after the timings are out: a profiler failure loses only the profile
+        extra["profile_later"] = lambda: _profile(step, batches, synchronize, on_gpu)
+    return {**extra,
         "status": "ok",
         "ms_per_step": seconds * 1e3,
         "global_batch": global_batch,
@@ -273,6 +305,36 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "tracing_count": function.experimental_get_tracing_count() if function is not None else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
         "last_loss_G_total": float(loss),
+    }
+
+
+def _profile(step: Any, batches: Any, synchronize: Any, on_gpu: bool) -> dict[str, Any]:
+    """``PROFILE_STEPS`` more steps under ``torch.profiler``: the costliest ops, convolution
+    backward kernels and host syncs per step, and dynamo's graph breaks so far."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    iterator = iter(batches)
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            batch = next(iterator, None)
+            if batch is None:  # fewer batches than steps to profile: start them again
+                iterator = iter(batches)
+                batch = next(iterator)
+            step(batch)
+        synchronize()
+    calls: dict[str, int] = {}
+    for event in prof.events():
+        calls[event.name] = calls.get(event.name, 0) + 1
+    sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    breaks = {reason.splitlines()[0][:160]: int(count) for reason, count in counters["graph_break"].items()}
+    return {
+        "table": prof.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS),
+        "per_step": {name: calls.get(name, 0) / PROFILE_STEPS for name in (
+            "aten::convolution_backward", "aten::convolution", "aten::_local_scalar_dense",
+            "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaGraphLaunch")},
+        "graph_breaks": breaks,
     }
 
 
@@ -303,6 +365,13 @@ def _child_command(variant: str, bf16: bool, channels_last: bool, args: argparse
         command.append("--channels-last")
     if not args.cudnn_benchmark:
         command.append("--no-cudnn-benchmark")
+    if args.fused_adam and variant != NUMERICS_REFERENCE:
+        command.append("--fused-adam")
+    for flag in ("profile", "numerics_reference"):
+        if getattr(args, flag) and not (flag == "profile" and variant == NUMERICS_REFERENCE):
+            command.append("--" + flag.replace("_", "-"))
+    if variant == NUMERICS_REFERENCE:  # the reference runs as hand-eager
+        command[command.index("--child") + 1] = "hand-eager"
     return command
 
 
@@ -317,9 +386,17 @@ def spawn(variant: str, bf16: bool, channels_last: bool, args: argparse.Namespac
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         return {"status": "failed", "reason": f"no result in {args.child_timeout} s (--child-timeout)",
                 "stderr_tail": tail}
+    found: dict[str, Any] | None = None
     for line in out.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
+            found = json.loads(line[len(RESULT):])
+        elif line.startswith(PROFILE_RESULT) and found is not None:
+            found["profile"] = json.loads(line[len(PROFILE_RESULT):])
+    if found is not None:
+        if args.profile and "profile" not in found and found.get("status") == "ok":
+            found["profile"] = {"table": f"(the profile failed: exit status {out.returncode})\n"
+                                         + out.stderr[-1500:], "per_step": {}, "graph_breaks": {}}
+        return found
     return {"status": "failed", "reason": f"exit status {out.returncode}",
             "stderr_tail": (out.stdout[-500:] + out.stderr[-2500:])}
 
@@ -355,6 +432,7 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dic
                 "tracing_count": ok[0]["tracing_count"],
                 "peak_memory_gib": ok[0]["peak_memory_gib"],
                 "last_loss_G_total": ok[0]["last_loss_G_total"],
+                **{key: ok[0][key] for key in ("profile", "losses") if key in ok[0]},
             }
         for baseline in ("hand-eager", "hand-compiled"):
             base = rows.get(baseline, {}).get("epoch_s")
@@ -393,10 +471,51 @@ def print_table(summary: dict[str, dict[str, dict[str, Any]]], header: str) -> N
                       + ", ".join(f"{t:.1f}" for t in row["warmup_s_rounds"]) + " s")
             elif row.get("stderr_tail"):
                 print(f"--- {combo} {variant} {row['status']}: end of its output ---\n{row['stderr_tail']}")
+    for combo, rows in summary.items():
+        for variant, row in rows.items():
+            profiled = row.get("profile")
+            if profiled:
+                per_step = ", ".join(f"{name} {count:g}" for name, count in profiled["per_step"].items())
+                print(f"--- profile {combo} {variant}: per step {per_step}; graph breaks "
+                      f"{profiled['graph_breaks'] or 'none'}\n{profiled['table']}")
     met = [f"{combo} {variant} ({row['epoch_s']:.1f} s)" for combo, rows in summary.items()
            for variant, row in rows.items() if row.get("epoch_s") is not None and row["epoch_s"] <= GOAL_EPOCH_S]
     print(f"goal (an epoch of horse2zebra <= {GOAL_EPOCH_S:.0f} s): "
           + (", ".join(met) if met else "met by no variant"))
+
+
+def numerics(summary: dict[str, dict[str, dict[str, Any]]], reference: dict[str, Any]) -> dict[str, Any]:
+    """Each variant's ``loss_G/total`` per step against the float32 eager reference's."""
+    expected = reference.get("losses") if reference.get("status") == "ok" else None
+    found: dict[str, Any] = {}
+    if not expected:
+        return {"reference": reference.get("status", "failed"), "reason": reference.get("reason")}
+    late_expected = statistics.fmean(expected[-LATE_STEPS:])
+    for combo, rows in summary.items():
+        for variant, row in rows.items():
+            losses = row.get("losses")
+            if not losses:
+                continue
+            late = statistics.fmean(losses[-LATE_STEPS:])
+            found[f"{combo} {variant}"] = {
+                "steps": len(losses),
+                "first_step_relative_difference": abs(losses[0] - expected[0]) / abs(expected[0]),
+                "late_mean": late, "reference_late_mean": late_expected,
+                "late_mean_relative_difference": abs(late - late_expected) / abs(late_expected),
+                "all_finite": all(math.isfinite(value) for value in losses),
+            }
+    return found
+
+
+def print_numerics(found: dict[str, Any]) -> None:
+    if "reference" in found:
+        print(f"numerics: the float32 eager reference {found['reference']}: {found.get('reason')}")
+        return
+    for name, row in found.items():
+        print(f"numerics {name} vs float32 eager over {row['steps']} steps: first step's loss_G relative "
+              f"difference {row['first_step_relative_difference']:.2e}; mean of the last {LATE_STEPS} "
+              f"{row['late_mean']:.4f} vs {row['reference_late_mean']:.4f} (relative difference "
+              f"{row['late_mean_relative_difference']:.3f}); every loss finite: {row['all_finite']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile mode of hand-compiled and hand-compiled-step")
     parser.add_argument("--td-mode", choices=("auto", *COMPILE_MODES), default="auto",
                         help="td.function mode (auto: the library's choice, CUDA graphs for one GPU replica)")
+    parser.add_argument("--fused-adam", action="store_true", help="Adam(fused=True) for the four optimizers")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile {PROFILE_STEPS} more steps per process: top ops, host syncs, graph breaks")
+    parser.add_argument("--numerics-reference", action="store_true",
+                        help="record loss_G every step and compare with a float32 eager run of as many steps")
     parser.add_argument("--no-cudnn-benchmark", dest="cudnn_benchmark", action="store_false",
                         help="leave torch.backends.cudnn.benchmark off")
     parser.add_argument("--child-timeout", type=int, default=600, help="seconds per process")
@@ -437,7 +561,11 @@ def main() -> None:
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         parser.error("--steps, --warmup and --rounds must be >= 1")
     if args.child:
-        print(RESULT + json.dumps(run_variant(args.child, args)), flush=True)
+        result = run_variant(args.child, args)
+        profile_later = result.pop("profile_later", None)
+        print(RESULT + json.dumps(result), flush=True)
+        if profile_later is not None:
+            print(PROFILE_RESULT + json.dumps(profile_later()), flush=True)
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_cyclegan_gpu.py needs a CUDA GPU and torch.cuda.is_available() is False here. "
@@ -466,7 +594,14 @@ def main() -> None:
                 _log(f"round {round_index + 1}/{args.rounds} {combo} {variant}: {what} "
                      f"(process {time.perf_counter() - t0:.0f} s, total {time.perf_counter() - started:.0f} s)")
 
+    found: dict[str, Any] = {}
+    if args.numerics_reference:
+        t0 = time.perf_counter()
+        reference = spawn(NUMERICS_REFERENCE, False, False, args)
+        _log(f"{NUMERICS_REFERENCE}: {reference.get('status')} (process {time.perf_counter() - t0:.0f} s)")
     summary = summarize(runs)
+    if args.numerics_reference:
+        found = numerics(summary, reference)
     on_gpu = args.device.startswith("cuda")
     name = torch.cuda.get_device_name(torch.device(args.device)) if on_gpu else "CPU (a check of the script)"
     size = (f"{args.image_size}x{args.image_size}, generator {args.generator_filters} filters "
@@ -477,7 +612,9 @@ def main() -> None:
         f"epoch s: ms/step x {HORSE2ZEBRA_STEPS} // global batch; vs eager / vs comp.: hand-eager's / "
         f"hand-compiled's epoch time over this variant's (above 1: faster); hand-compiled: "
         f"torch.compile on each network (mode {args.hand_mode}); td.function mode {args.td_mode}; "
-        f"cudnn.benchmark {args.cudnn_benchmark}"))
+        f"cudnn.benchmark {args.cudnn_benchmark}; Adam {'fused' if args.fused_adam else 'default'}"))
+    if args.numerics_reference:
+        print_numerics(found)
     print(RESULT + json.dumps({
         "device": name, "torch": torch.__version__, "image_size": args.image_size,
         "generator_filters": args.generator_filters, "residual_blocks": args.residual_blocks,
@@ -485,7 +622,10 @@ def main() -> None:
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "variants": variants,
         "hand_mode": args.hand_mode, "td_mode": args.td_mode, "cudnn_benchmark": args.cudnn_benchmark,
         "goal_epoch_s": GOAL_EPOCH_S, "epoch_steps_at_batch_1": HORSE2ZEBRA_STEPS,
-        "total_s": time.perf_counter() - started, "results": summary,
+        "fused_adam": args.fused_adam, "numerics": found,
+        "total_s": time.perf_counter() - started,
+        "results": {combo: {variant: {k: v for k, v in row.items() if k not in ("profile", "losses")}
+                            for variant, row in rows.items()} for combo, rows in summary.items()},
     }))
 
 

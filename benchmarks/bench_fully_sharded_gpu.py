@@ -17,6 +17,12 @@ same collectives and arithmetic: bitwise equal is expected).
     python benchmarks/bench_fully_sharded_gpu.py                 # defaults, about 2 minutes
     python benchmarks/bench_fully_sharded_gpu.py --device cpu --steps 2 --warmup 1 --rounds 1
 
+``--profile``: the last round's processes each profile ``PROFILE_STEPS`` more steps (after the
+parameters are saved) with ``torch.profiler``, and the report shows, for each, the ops that
+cost the most device time, those that cost the most host time, and per step: the host syncs
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``item``), the copies and the NCCL
+kernels, with the step's wall time against its device-busy time (what the host adds).
+
 ``--device cpu`` only checks that the script runs (gloo). The last line printed is
 ``FSDPGPUBENCH {json}``.
 """
@@ -40,6 +46,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: ``examples`` is a package
 
 RESULT = "FSDPGPUBENCH "
+PROFILE_RESULT = "FSDPGPUPROFILE "
+PROFILE_STEPS = 5
+PROFILE_ROWS = 12
 VARIANTS = ("ours", "FSDP2")
 GLOBAL_BATCH = 32
 SEQ_LEN = 128
@@ -119,7 +128,7 @@ def _hand(args: argparse.Namespace, device: torch.device):
     return step, batches, model
 
 
-def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_child(variant: str, args: argparse.Namespace, later: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     device = torch.device(args.device)
@@ -147,9 +156,40 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
               for n, p in model.named_parameters()}
     path = os.path.join(args.params_dir, f"{variant}.pt")
     torch.save(params, path)
+    if args.profile:  # after the timings are out: a profiler failure loses only the profile
+        later["profile"] = lambda: _profile(step, batch, synchronize, on_gpu)
     return {"ms_per_step": seconds * 1e3, "last_loss": float(loss),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
             "num_params": sum(p.numel() for p in params.values())}
+
+
+def _profile(step: Any, batch: Any, synchronize: Any, on_gpu: bool) -> dict[str, Any]:
+    """``PROFILE_STEPS`` more steps under ``torch.profiler``: device-time and host-time tables,
+    and per step the syncs, copies and NCCL kernels, and wall vs device-busy milliseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    synchronize()
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(PROFILE_STEPS):
+            step(batch(i))
+        synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3 / PROFILE_STEPS
+    averages = prof.key_averages()
+    calls: dict[str, int] = {}
+    for event in prof.events():
+        calls[event.name] = calls.get(event.name, 0) + 1
+    nccl = sum(count for name, count in calls.items() if "nccl" in name.lower() and "Kernel" in name)
+    device_ms = (sum(e.self_device_time_total for e in averages) / 1e3 / PROFILE_STEPS) if on_gpu else None
+    return {
+        "device_table": averages.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS) if on_gpu else "",
+        "host_table": averages.table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS),
+        "per_step": {**{name: calls.get(name, 0) / PROFILE_STEPS for name in (
+            "cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "cudaMemcpyAsync",
+            "aten::copy_")}, "NCCL kernels": nccl / PROFILE_STEPS},
+        "wall_ms_per_step": wall_ms, "device_busy_ms_per_step": device_ms,
+    }
 
 
 def _free_port() -> int:
@@ -158,17 +198,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+def spawn(variant: str, args: argparse.Namespace, profile: bool = False) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.pop("TF_CONFIG", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--device", args.device,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
            "--layers", str(args.layers), "--heads", str(args.heads), "--params-dir", args.params_dir]
+    if profile:
+        cmd.append("--profile")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    found: dict[str, Any] | None = None
     for line in out.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
+            found = json.loads(line[len(RESULT):])
+        elif line.startswith(PROFILE_RESULT) and found is not None:
+            found["profile"] = json.loads(line[len(PROFILE_RESULT):])
+    if found is not None:
+        if profile and "profile" not in found:
+            found["profile"] = {"device_table": "", "host_table": f"(the profile failed: exit status "
+                                f"{out.returncode})\n{out.stderr[-1500:]}", "per_step": {},
+                                "wall_ms_per_step": float("nan"), "device_busy_ms_per_step": None}
+        return found
     raise RuntimeError(f"{variant} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
 
 
@@ -182,11 +233,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile {PROFILE_STEPS} more steps in the last round's processes")
     parser.add_argument("--params-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(RESULT + json.dumps(run_child(args.child, args)), flush=True)
+        later: dict[str, Any] = {}
+        print(RESULT + json.dumps(run_child(args.child, args, later)), flush=True)
+        if "profile" in later:
+            print(PROFILE_RESULT + json.dumps(later["profile"]()), flush=True)
         return
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_fully_sharded_gpu.py needs a CUDA GPU (--device cpu only checks the script).")
@@ -195,9 +251,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as params_dir:
         args.params_dir = params_dir
         runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for variant in VARIANTS:
-                runs[variant].append(spawn(variant, args))
+                runs[variant].append(spawn(variant, args, profile=args.profile and round_index == args.rounds - 1))
                 print(f"{variant}: {runs[variant][-1]['ms_per_step']:.2f} ms/step", file=sys.stderr, flush=True)
         ours, hand = (torch.load(os.path.join(params_dir, f"{v}.pt")) for v in VARIANTS)
     diff = max(float((ours[n] - hand[n]).abs().max()) for n in ours)
@@ -211,6 +267,14 @@ def main() -> None:
         print(f"{v:>6}: {med[v]:8.2f} ms/step{memory}")
     print(f"throughput ours / hand-written FSDP2: {med['FSDP2'] / med['ours']:.3f}; "
           f"parameters after the last round, max abs difference: {diff:.3g}")
+    for v in VARIANTS:
+        profiled = runs[v][-1].get("profile")
+        if profiled:
+            busy = profiled["device_busy_ms_per_step"]
+            print(f"--- profile {v}: {profiled['wall_ms_per_step']:.2f} ms/step wall"
+                  + (f", device busy {busy:.2f} ms/step" if busy is not None else "")
+                  + "; per step " + ", ".join(f"{k} {c:g}" for k, c in profiled["per_step"].items()))
+            print(profiled["device_table"] + profiled["host_table"])
     print(RESULT + json.dumps({"device": name, "torch": torch.__version__, "ms_per_step": med,
                                "ratio_ours_over_fsdp2": med["FSDP2"] / med["ours"],
                                "peak_memory_gib": peak, "max_abs_param_diff": diff}))

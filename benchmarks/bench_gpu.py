@@ -8,7 +8,8 @@ step (CUDA-synchronised after the warmup and after the timed steps). The table g
 precision, the median ms/step of each variant and the throughput ratio hand-written /
 variant (above 1: the variant is faster), both from the rounds of this one invocation.
 
-Precisions (``--precision``, default ``all``: the three in one invocation, one table):
+Precisions (``--precision``, default ``all``: the three in one invocation, one table; or a
+comma-separated list of them):
 
 * ``float32``: no autocast.
 * ``bf16``: the forward pass and the loss under ``torch.autocast("cuda", dtype=torch.bfloat16)``.
@@ -33,6 +34,12 @@ Variants (``--variants``, comma-separated):
 * ``mirrored2``: ``td.MirroredStrategy()`` over 2 logical GPUs of the one card
   (``td.config.set_logical_device_configuration``): 2 replicas in one process, each on half
   the global batch. On the CPU (a check of the script): ``cpu:0,cpu:1``.
+* ``hand-compiled``: ``hand`` with the model under ``torch.compile`` (torch's default mode),
+  the loss, backward and optimizer step eager: the compiled loop a PyTorch user writes.
+* ``one-function``: ``one`` with the distributed step under ``@td.function`` (the library's
+  choice of mode: CUDA graphs for one GPU replica per process). With ``hand-compiled`` it
+  answers whether ``td.function`` is at least as fast as compiling by hand; both report their
+  warm-up seconds (the first ``--warmup`` steps, compilation included).
 * ``ddp2``: its fair baseline, ``DistributedDataParallel`` with 2 processes sharing the card
   (started by torchrun), each on half the global batch. NCCL refuses two ranks on one GPU, so
   the ranks use Gloo (gradients cross through the host). Rank 0's time is reported.
@@ -70,7 +77,7 @@ HERE = os.path.abspath(__file__)
 RESULT = "GPUBENCH "
 PRECISIONS = ("float32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-VARIANTS = ("hand", "one", "central", "mwms", "ddp", "mirrored2", "ddp2")
+VARIANTS = ("hand", "one", "central", "mwms", "ddp", "mirrored2", "ddp2", "hand-compiled", "one-function")
 DEFAULT_VARIANTS = ("hand", "one", "central", "mwms", "ddp")
 
 
@@ -129,10 +136,11 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
     on_gpu = device_name.startswith("cuda")
     # Where the loss is computed (the compute device, also for central storage).
     scaler = torch.amp.GradScaler(torch.device(device_name).type) if precision == "fp16" else None
-    if variant in ("hand", "ddp", "ddp2"):
+    if variant in ("hand", "ddp", "ddp2", "hand-compiled"):
         device = torch.device(device_name)
         model = make_model().to(device)
         rows = slice(None)
+        forward = torch.compile(model) if variant == "hand-compiled" else model
         if variant == "ddp":
             import torch.distributed as dist
 
@@ -149,13 +157,13 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
 
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             x, y = (t[rows].to(device, non_blocking=True) for t in batch)
-            backward_and_step(loss_of(model, x, y, precision).sum() / GLOBAL_BATCH, opt, scaler)
+            backward_and_step(loss_of(forward, x, y, precision).sum() / GLOBAL_BATCH, opt, scaler)
 
         data = batches
     else:
         import torch_distribute as td
 
-        if variant == "one":
+        if variant in ("one", "one-function"):
             strategy = td.OneDeviceStrategy(device_name)
         elif variant == "central":
             # On the CPU (a check of this script), compute on a second logical CPU device.
@@ -176,13 +184,18 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
         def runner(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
             strategy.run(replica_step, args=batch)
 
+        if variant == "one-function":
+            runner = td.function(runner)
+
         data = strategy.experimental_distribute_dataset(batches)
     # Every variant moves its host batches to the device inside the timed loop.
     batch_iterator = iter(data)
     synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
+    warmup_started = time.perf_counter()
     for _ in range(warmup):
         runner(next(batch_iterator))
     synchronize()
+    warmup_s = time.perf_counter() - warmup_started
     scale_after_warmup = scaler.get_scale() if scaler is not None else None
     started = time.perf_counter()
     for batch in batch_iterator:
@@ -191,7 +204,7 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
     seconds = (time.perf_counter() - started) / steps
     scales = None if scaler is None else [scale_after_warmup, scaler.get_scale()]
     peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
-    return {"s_per_step": seconds, "loss_scale": scales, "peak_memory_gib": peak}
+    return {"s_per_step": seconds, "loss_scale": scales, "peak_memory_gib": peak, "warmup_s": warmup_s}
 
 
 def _two_replica_strategy(td, on_gpu: bool):
@@ -238,16 +251,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per process (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per (precision, variant); medians")
-    parser.add_argument("--precision", choices=[*PRECISIONS, "all"], default="all",
-                        help="float32, bf16 (bfloat16 autocast), fp16 (float16 autocast + GradScaler), "
-                             "or all three in one run (default)")
+    parser.add_argument("--precision", default="all",
+                        help="float32, bf16 (bfloat16 autocast), fp16 (float16 autocast + GradScaler), a "
+                             "comma-separated list of them, or all three in one run (default)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--device", default="cuda:0", help="cpu only checks that the script runs")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    precisions = list(PRECISIONS) if args.precision == "all" else [p for p in args.precision.split(",") if p]
+    if not precisions or set(precisions) - set(PRECISIONS):
+        parser.error(f"--precision takes all or some of {', '.join(PRECISIONS)}, got {args.precision!r}")
     if args.child:
-        if args.precision == "all":
+        if len(precisions) != 1:
             parser.error("a child process runs one precision")
         result = run_variant(args.child, args.steps, args.warmup, args.precision, args.device)
         if os.environ.get("RANK", "0") == "0":  # ddp2: rank 0 speaks for both
@@ -260,11 +276,10 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}: use some of {', '.join(VARIANTS)}")
-    precisions = list(PRECISIONS) if args.precision == "all" else [args.precision]
-
     times: dict[str, dict[str, list[float]]] = {p: {v: [] for v in variants} for p in precisions}
     loss_scales: dict[str, list[float]] = {}
     peak_gib: dict[str, dict[str, float | None]] = {p: {} for p in precisions}
+    warmups: dict[str, dict[str, list[float]]] = {p: {v: [] for v in variants} for p in precisions}
     for _ in range(args.rounds):
         for precision in precisions:
             for variant in variants:
@@ -272,6 +287,7 @@ def main() -> None:
                 times[precision][variant].append(result["s_per_step"] * 1e3)
                 print(f"{precision} {variant}: {result['s_per_step'] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
                 peak_gib[precision][variant] = result["peak_memory_gib"]
+                warmups[precision][variant].append(result["warmup_s"])
                 if result["loss_scale"] is not None:
                     loss_scales[variant] = result["loss_scale"]  # the last round's
 
@@ -282,18 +298,24 @@ def main() -> None:
     print(f"# {name}, global batch {GLOBAL_BATCH}, {args.steps} steps x {args.rounds} rounds, medians in ms/step; "
           "bf16: bfloat16 autocast; fp16: float16 autocast + GradScaler; "
           "ratio: hand-written ms / variant ms (above 1: faster than hand-written)")
-    print(f"{'variant':>8}" + "".join(f" | {p + ' ms':>10} | {'ratio':>5}" for p in precisions))
+    print(f"{'variant':>13}" + "".join(f" | {p + ' ms':>10} | {'ratio':>5}" for p in precisions))
     for v in variants:
         cells = [f" | {med[p][v]:10.2f} | " + (f"{ratio[p][v]:5.3f}" if v in ratio[p] else " " * 5) for p in precisions]
-        print(f"{v:>8}" + "".join(cells))
+        print(f"{v:>13}" + "".join(cells))
     for p in precisions:
         for v in variants:
-            print(f"rounds {p:>7} {v:>8}: {', '.join(f'{t:.2f}' for t in times[p][v])} ms/step")
+            print(f"rounds {p:>7} {v:>13}: {', '.join(f'{t:.2f}' for t in times[p][v])} ms/step")
         if "mwms" in variants and "ddp" in variants:
             print(f"throughput mwms / ddp, {p}: {med[p]['ddp'] / med[p]['mwms']:.3f}")
         if "mirrored2" in variants and "ddp2" in variants:
             print(f"throughput mirrored2 / ddp2 (2 replicas on one card), {p}: "
                   f"{med[p]['ddp2'] / med[p]['mirrored2']:.3f}")
+        print(f"warm-up s ({args.warmup} steps, compilation included), {p}: "
+              + ", ".join(f"{v} {statistics.median(w):.1f}" for v, w in warmups[p].items()))
+        if "hand-compiled" in variants and "one-function" in variants:
+            print(f"td.function / hand-compiled, {p}: speed {med[p]['hand-compiled'] / med[p]['one-function']:.3f} "
+                  f"(above 1: td.function faster), warm-up ratio "
+                  f"{statistics.median(warmups[p]['one-function']) / statistics.median(warmups[p]['hand-compiled']):.2f}")
         if any(g is not None for g in peak_gib[p].values()):
             print(f"peak GPU memory (GiB, last round, per process), {p}: "
                   + ", ".join(f"{v} {g:.2f}" for v, g in peak_gib[p].items() if g is not None))
@@ -304,7 +326,7 @@ def main() -> None:
         "device": name, "global_batch": GLOBAL_BATCH, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "precisions": precisions, "variants": variants,
         "ms_per_step": med, "ratio_hand_over_variant": ratio, "rounds_ms_per_step": times,
-        "fp16_loss_scale": loss_scales, "peak_memory_gib": peak_gib,
+        "fp16_loss_scale": loss_scales, "peak_memory_gib": peak_gib, "warmup_s": warmups,
     }))
 
 

@@ -249,6 +249,20 @@ def test_the_targets_that_are_not_functions_are_what_the_table_says() -> None:
     assert spec is not None and callable(getattr(spec.loader, "exec_module", None))
 
 
+def test_compile_fx_takes_what_compile_once_passes() -> None:
+    """``compile_once.compile_with_inductor`` calls ``compile_fx`` by keyword (no call shape
+    recorded: a default of it is a function, whose repr differs between processes)."""
+    import inspect
+
+    parameters = inspect.signature(_resolve("torch._inductor.compile_fx.compile_fx")).parameters
+    assert {"inner_compile", "config_patches", "compile_region_name"} <= set(parameters)
+    assert list(parameters)[:2] == ["model_", "example_inputs_"]
+    # What it replaces: the wrapper's own call, which does no more than that with its config.
+    source = inspect.getsource(torch._TorchCompileInductorWrapper.__call__)
+    assert "compile_fx(" in source and "config_patches=" in source and "self.config" in source
+    assert isinstance(torch._TorchCompileInductorWrapper("default", None, None).config, dict)
+
+
 @pytest.mark.parametrize("name", ["clip_grad_norm_", "clip_grad_value_"])
 def test_torch_clipping_is_a_no_grad_wrapper_around_one_cell(name: str) -> None:
     """The layout the clipping patch relies on (else it falls back to replacing attributes,

@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torch_distribute import nest
+from torch_distribute.compile_once import compile_with_inductor
 from torch_distribute.eager import watch_for_compiler
 from torch_distribute.errors import InputSignatureError, InvalidArgumentError
 from torch_distribute.input.element_spec import TensorSpec
@@ -285,7 +286,7 @@ class Function:
 
         def count_and_compile(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             graphs.append(None)
-            return inductor(graph, example_inputs)
+            return compile_with_inductor(inductor, graph, example_inputs)  # once per host
 
         return count_and_compile
 

@@ -105,8 +105,10 @@ class CycleGAN:
         return td.Checkpoint(**objects, **extra)
 
 
-def build_cyclegan(config: ModelConfig, learning_rate: float = 2e-4, beta_1: float = 0.5) -> CycleGAN:
+def build_cyclegan(config: ModelConfig, learning_rate: float = 2e-4, beta_1: float = 0.5,
+                   fused: bool | None = None) -> CycleGAN:
     """Make the four networks and their Adam optimizers (call it inside ``strategy.scope()``).
+    ``fused``: ``torch.optim.Adam``'s (``True``: one fused kernel per step on a GPU).
 
     Uses the global torch RNG for the initial weights: seed it first for reproducible runs
     (with several workers the chief's values win anyway).
@@ -121,7 +123,7 @@ def build_cyclegan(config: ModelConfig, learning_rate: float = 2e-4, beta_1: flo
     discriminator_x, discriminator_y = make_discriminator(config), make_discriminator(config)
 
     def adam(model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.Adam(model.parameters(), lr=learning_rate, betas=(beta_1, 0.999))
+        return torch.optim.Adam(model.parameters(), lr=learning_rate, betas=(beta_1, 0.999), fused=fused)
 
     return CycleGAN(config, generator_g, generator_f, discriminator_x, discriminator_y,
                     adam(generator_g), adam(generator_f), adam(discriminator_x), adam(discriminator_y))

@@ -201,6 +201,27 @@ TORCH_HOOKS_USED: tuple[Change, ...] = (
            "(private: checked here)", "per torch.compile call", "nothing to undo",
            "torch_distribute.compiled_function", "torch._TorchCompileInductorWrapper.__init__",
            "(self, mode, options, dynamic, name=None)"),
+    Change("torch._inductor.compile_fx.compile_fx", "td.function's backend calls it as the wrapper above "
+           "does (its config as config_patches), with inner_compile wrapped: each graph inductor builds "
+           "(a step's forward, its backward when the first backward needs it) is compiled under a lock "
+           "file in inductor's cache directory, so that workers on one host build it once "
+           "(compile_once.py; fxgraph_cache_bypass in torch._dynamo.utils.counters tells a graph that "
+           "was not cached)",
+           "inductor has no hook around the compile of one graph; inner_compile is the seam compile_fx has "
+           "(private: its parameters are checked in tests/test_torch_untouched.py, its defaults name a "
+           "function, so no call shape is recorded)",
+           "per compile, while compile_once.enabled()", "nothing to undo",
+           "torch_distribute.compile_once", "torch._inductor.compile_fx.compile_fx"),
+    Change("torch._inductor.compile_fx.compile_fx_inner", "called by compile_once's inner_compile with the "
+           "arguments compile_fx gave it", "see compile_fx above", "per graph inductor builds",
+           "nothing to undo", "torch_distribute.compile_once", "torch._inductor.compile_fx.compile_fx_inner",
+           "(gm, example_inputs, compile_region_name=None, **kwargs)"),
+    Change("torch._inductor.runtime.cache_dir_utils.cache_dir", "read: the lock files and their 'done' "
+           "markers live in its td_compile_once/ (cleared with inductor's cache); like every call of it, "
+           "it sets os.environ['TORCHINDUCTOR_CACHE_DIR'] to the directory found, as inductor's own "
+           "compile does a moment later", "inductor's cache directory is only known by asking it",
+           "per compile, while compile_once.enabled()", "nothing to undo", "torch_distribute.compile_once",
+           "torch._inductor.runtime.cache_dir_utils.cache_dir", "()"),
 )
 
 
