@@ -20,8 +20,8 @@ gets when a dataset function's worker has no more elements keeps the batch's oth
 (``(0, 16, 1)``; TensorFlow: ``(0, 0, 1)``, its unknown dimensions as 0); logical devices are
 named ``cpu:0`` (TensorFlow: ``/device:CPU:0``).
 
-``td.function`` compiles with dynamo and the eager backend here (``eager_backend``; inductor's
-code is ``test_compile.py``'s).
+``td.function`` runs eagerly here (``eager_functions``: ``td.config.run_functions_eagerly``,
+TensorFlow's ``tf.config.run_functions_eagerly``; compiling is ``test_compile.py``'s).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from torch._dynamo.backends.registry import lookup_backend
 from torch.utils.data import DataLoader
 
 import torch_distribute as td
@@ -40,9 +39,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def eager_backend(monkeypatch):
-    """``td.function`` traced by dynamo, the graphs run by the eager backend (see above)."""
-    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", lambda mode, options, dynamic: lookup_backend("eager"))
+def eager_functions():
+    """``td.function``s run uncompiled (see above)."""
+    td.config.run_functions_eagerly(True)
+    yield
+    td.config.run_functions_eagerly(False)
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +87,7 @@ def test_cell_9_the_logical_devices():
     assert [(d.name, d.device_type) for d in devices] == [("cpu:0", "CPU"), ("cpu:1", "CPU")]
 
 
-def test_cell_10_a_non_distributed_loop(eager_backend):
+def test_cell_10_a_non_distributed_loop(eager_functions):
     global_batch_size = 16
     dataset = batch(ones(100), global_batch_size)
 
@@ -164,7 +165,7 @@ def test_cell_23_distribute_datasets_from_function():
 # -- Distributed iterators ----------------------------------------------------------------------
 
 
-def test_cells_33_and_35_iterating_with_for_and_with_next(eager_backend):
+def test_cells_33_and_35_iterating_with_for_and_with_next(eager_functions):
     global_batch_size = 16
     mirrored_strategy = td.MirroredStrategy()
     dataset = batch(ones(100), global_batch_size)
@@ -201,7 +202,7 @@ def test_cell_36_get_next_past_the_end_raises_out_of_range():
         dist_iterator.get_next()
 
 
-def test_cell_37_get_next_as_optional_in_a_function(eager_backend, capsys):
+def test_cell_37_get_next_as_optional_in_a_function(eager_functions, capsys):
     global_batch_size = 4
     steps_per_loop = 5
     strategy = td.MirroredStrategy()
@@ -225,7 +226,7 @@ def test_cell_37_get_next_as_optional_in_a_function(eager_backend, capsys):
 # -- Using the element_spec property ----------------------------------------------------------
 
 
-def test_cell_40_element_spec_as_input_signature(eager_backend):
+def test_cell_40_element_spec_as_input_signature(eager_functions):
     global_batch_size = 16
     epochs = 5
     steps_per_epoch = 5

@@ -17,9 +17,9 @@ kernel's weight decay of ``2e-4`` in SGD makes the same updates (the reported lo
 out the penalty, ``1e-4 * w**2`` or about 4e-5 here), and in the custom loop ``model.losses`` is
 written out as that penalty.
 
-``td.function`` compiles with dynamo and the eager backend here (``eager_backend``): what is
-tested is the guide's cells through ``td.function``'s tracing, replica threads and graph
-breaks; inductor's code (minutes of C++ compilation on a cold cache) is
+``td.function`` runs eagerly here (``eager_functions``: ``td.config.run_functions_eagerly``,
+TensorFlow's ``tf.config.run_functions_eagerly``): what is tested is the guide's cells and
+their numbers; compiling them (minutes of C++ compilation on a cold cache) is
 ``test_compile.py``'s.
 """
 
@@ -30,7 +30,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from torch._dynamo.backends.registry import lookup_backend
 
 import torch_distribute as td
 
@@ -38,9 +37,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def eager_backend(monkeypatch):
-    """``td.function`` traced by dynamo, the graphs run by the eager backend (see above)."""
-    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", lambda mode, options, dynamic: lookup_backend("eager"))
+def eager_functions():
+    """``td.function``s run uncompiled (see above)."""
+    td.config.run_functions_eagerly(True)
+    yield
+    td.config.run_functions_eagerly(False)
 
 
 @pytest.fixture
@@ -210,7 +211,7 @@ TF_LOSSES_56 = [0.284412682056427, 0.28319066762924194, 0.28197774291038513, 0.2
 TF_AFTER_56 = (0.8302680253982544, 0.330416738986969)
 
 
-def test_cells_47_to_56_custom_training_loop_as_tensorflow(two_logical_cpus, eager_backend):
+def test_cells_47_to_56_custom_training_loop_as_tensorflow(two_logical_cpus, eager_functions):
     mirrored_strategy = td.MirroredStrategy()
     global_batch_size = 5 * mirrored_strategy.num_replicas_in_sync  # cell 43
 

@@ -208,3 +208,23 @@ def test_values_from_a_function_returning_a_nest_run_and_reduce_as_in_tensorflow
     assert [int(v) for v in strategy.experimental_local_results(out)] == [1, 2]
     total = strategy.reduce("SUM", values, axis=None)
     assert int(total[0]) == 1 and float(total[1]["a"]) == 2.0
+
+
+def test_run_functions_eagerly_runs_td_functions_and_their_replica_steps_uncompiled():
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    seen = []
+
+    @td.function
+    def step(x):
+        return strategy.run(lambda v: seen.append(torch.compiler.is_compiling()) or v * 2, args=(x,))
+
+    td.config.run_functions_eagerly(True)
+    try:
+        assert td.config.functions_run_eagerly()
+        out = step(strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(1)))
+    finally:
+        td.config.run_functions_eagerly(False)
+    assert seen == [False, False] and step.experimental_get_tracing_count() == 0
+    assert [float(v) for v in strategy.experimental_local_results(out)] == [2.0, 2.0]
+    with pytest.raises(td.InvalidArgumentError, match="True or False"):
+        td.config.run_functions_eagerly("yes")

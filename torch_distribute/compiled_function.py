@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torch_distribute import nest
+from torch_distribute import config, nest
 from torch_distribute.compile_once import compile_with_inductor
 from torch_distribute.eager import watch_for_compiler
 from torch_distribute.errors import InputSignatureError, InvalidArgumentError
@@ -262,6 +262,8 @@ class Function:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.input_signature is not None:
             self._check_signature(args, kwargs)
+        if config.functions_run_eagerly():  # td.config.run_functions_eagerly(True): debugging
+            return self._fn(*args, **kwargs)
         if self._calls_run is False:
             return self.compiled(self._fn)(*args, **kwargs)
         call = _Call(self)

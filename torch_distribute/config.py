@@ -44,10 +44,12 @@ __all__ = [
     "PhysicalDevice",
     "get_logical_device_configuration",
     "get_loss_scaling_check",
+    "functions_run_eagerly",
     "get_nonfinite_check",
     "set_log_level",
     "list_logical_devices",
     "list_physical_devices",
+    "run_functions_eagerly",
     "set_logical_device_configuration",
     "set_loss_scaling_check",
     "set_nonfinite_check",
@@ -231,6 +233,32 @@ def set_nonfinite_check(mode: str) -> None:
 def get_nonfinite_check() -> str:
     """What ``set_nonfinite_check`` last set (``"warn"`` by default)."""
     return _nonfinite_check
+
+
+_run_functions_eagerly = False
+
+
+def run_functions_eagerly(run_eagerly: bool) -> None:
+    """TensorFlow's ``tf.config.run_functions_eagerly``: with ``True``, every ``td.function``
+    runs its Python function as it is, uncompiled (the replica steps too), for debugging with
+    print and pdb; ``input_signature`` is still checked.
+
+    >>> import torch, torch_distribute as td
+    >>> double = td.function(lambda x: x * 2)
+    >>> run_functions_eagerly(True)
+    >>> double(torch.ones(2)), double.experimental_get_tracing_count()
+    (tensor([2., 2.]), 0)
+    >>> run_functions_eagerly(False)
+    """
+    global _run_functions_eagerly
+    if not isinstance(run_eagerly, bool):
+        raise InvalidArgumentError(f"run_functions_eagerly takes True or False, got {run_eagerly!r}.")
+    _run_functions_eagerly = run_eagerly
+
+
+def functions_run_eagerly() -> bool:
+    """What ``run_functions_eagerly`` last set (False by default)."""
+    return _run_functions_eagerly
 
 
 def set_log_level(level: int | str) -> None:
