@@ -1,0 +1,322 @@
+"""``td.experimental.FaultTolerance``: a lost worker costs one step, not the job.
+
+Given to a strategy (``MultiWorkerMirroredStrategy(fault_tolerance=...)``), it makes every
+training step a torchft step (``collectives/fault_tolerant_group.py``): the step's quorum
+of live workers is made when its first global batch is read (or at ``strategy.run``), the
+batch is cut over those workers (``fault_tolerant_input.py``), and the optimizer step is
+applied only when torchft commits the step. A worker that dies, is stopped past ``timeout``
+or is preempted (SIGTERM: it leaves at the next step boundary) costs the step in flight at
+most: no worker applies it, and the next step runs with the workers left, with
+``num_replicas_in_sync`` following them. A replacement (the launcher restarts the lost worker
+alone) joins at a step boundary and gets, from a live worker over the authenticated process
+group, the parameters and buffers, the optimizers' and schedulers' states, the committed-step
+count, the random state, where every distributed dataset is, and the epoch of the loop.
+
+``FaultTolerantTraining`` is the strategy's side of it (one per strategy); ``FaultTolerance``
+is the user's: the settings, ``epochs()`` (the epoch loop a joining worker can enter in the
+middle) and ``committed_step``.
+
+>>> ft = FaultTolerance(min_workers=2, timeout=20)
+>>> ft.min_workers, ft.timeout
+(2, 20.0)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
+from typing import Any, Protocol
+
+from torch_distribute.collectives.fault_tolerant_group import (
+    ENV_MIN_WORKERS,
+    FaultTolerantGroup,
+    lighthouse_address,
+)
+from torch_distribute.collectives.job_secret import required_secret
+from torch_distribute.errors import FaultToleranceError, InvalidArgumentError
+from torch_distribute.log import get_logger
+from torch_distribute.strategies.committed_steps import CommittedStepLog
+from torch_distribute.strategies.fault_tolerant_input import LiveSplitSource
+from torch_distribute.strategies.random_state import capture_rng, restore_rng
+
+__all__ = ["ENV_LOG_DIR", "LEFT_FOR_PREEMPTION", "FaultTolerance", "FaultTolerantTraining", "RecoverableState"]
+
+#: The exit status of a worker that left its job after a SIGTERM (128 + SIGTERM, as a process
+#: killed by it reports): ``torch-distribute launch`` starts a replacement.
+LEFT_FOR_PREEMPTION = 143
+#: Where the committed-step log goes when ``FaultTolerance(log_dir=...)`` is not given.
+ENV_LOG_DIR = "TD_FT_LOG_DIR"
+
+_log = get_logger("fault_tolerance")
+
+
+class RecoverableState(Protocol):
+    """What a strategy hands a joining worker: its captured state, as plain values."""
+
+    def recovery_state(self) -> dict[str, Any]: ...
+
+    def load_recovery_state(self, state: dict[str, Any]) -> None: ...
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise InvalidArgumentError(f"FaultTolerance({name}=...) must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
+class FaultTolerance:
+    """Per-step fault tolerance for a multi-worker strategy (TensorFlow-style opt-in).
+
+    - ``min_workers``: the fewest live workers a step may run with. Fewer, and the workers
+      wait (up to ``quorum_timeout`` seconds) for replacements, then raise
+      ``NotEnoughWorkersError``. Default: the launcher's ``--min-workers``.
+    - ``timeout``: seconds a collective waits for a member before counting it lost (a worker
+      stopped longer than this is lost; it rejoins if it is continued).
+    - ``lighthouse``: torchft's quorum server, ``http://host:port``. Default:
+      ``TD_FT_LIGHTHOUSE``, which ``torch-distribute launch --min-workers`` sets.
+    - ``log_dir``: where every worker appends the steps it commits (``committed_steps.py``);
+      default ``TD_FT_LOG_DIR``, else no log.
+
+    The training loop: iterate the epochs with ``epochs()`` so that a worker joining in
+    epoch 3 starts its loop at epoch 3 (the batches inside an epoch resume by themselves)::
+
+        ft = td.experimental.FaultTolerance(min_workers=2)
+        strategy = td.MultiWorkerMirroredStrategy(fault_tolerance=ft)
+        ...
+        for epoch in ft.epochs(EPOCHS):
+            for batch in dist_dataset:
+                strategy.run(train_step, args=(batch,))
+
+    >>> FaultTolerance(min_workers=0)
+    Traceback (most recent call last):
+    ...
+    torch_distribute.errors.InvalidArgumentError: FaultTolerance(min_workers=0): give at least 1 (the fewest live workers a step may run with).
+    """
+
+    def __init__(self, min_workers: int | None = None, *, timeout: float = 30.0, quorum_timeout: float = 300.0,
+                 lighthouse: str | None = None, log_dir: str | os.PathLike[str] | None = None) -> None:
+        if min_workers is not None and (isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1):
+            raise InvalidArgumentError(
+                f"FaultTolerance(min_workers={min_workers!r}): give at least 1 (the fewest live workers a "
+                "step may run with).")
+        self._min_workers = min_workers
+        self.timeout = _positive("timeout", timeout)
+        self.quorum_timeout = _positive("quorum_timeout", quorum_timeout)
+        self.lighthouse = lighthouse
+        self.log_dir = os.fspath(log_dir) if log_dir is not None else None
+        self._training: FaultTolerantTraining | None = None
+
+    @property
+    def min_workers(self) -> int | None:
+        """The fewest live workers a step may run with (None: the launcher's)."""
+        return self._min_workers
+
+    def resolved_min_workers(self, num_workers: int) -> int:
+        """``min_workers``, checked against the launcher's ``TD_FT_MIN_WORKERS`` and the job's
+        ``num_workers``."""
+        launched = os.environ.get(ENV_MIN_WORKERS, "").strip()
+        launched_value = int(launched) if launched.isdigit() else None
+        value = self._min_workers if self._min_workers is not None else launched_value
+        if value is None:
+            raise FaultToleranceError(
+                "FaultTolerance() has no min_workers and the launcher gave none: pass "
+                "FaultTolerance(min_workers=N), or start the job with torch-distribute launch --min-workers N.")
+        if launched_value is not None and launched_value != value:
+            raise FaultToleranceError(
+                f"FaultTolerance(min_workers={value}) but the job's lighthouse was started with "
+                f"--min-workers {launched_value}: give both the same number (or leave min_workers out).")
+        if value > num_workers:
+            raise FaultToleranceError(
+                f"FaultTolerance(min_workers={value}) is more than the job's {num_workers} workers.")
+        return value
+
+    # -- bound to a strategy ------------------------------------------------------------
+    def attach(self, training: FaultTolerantTraining) -> None:
+        """Called by the strategy that runs with these settings (once)."""
+        if self._training is not None:
+            raise InvalidArgumentError(
+                "This FaultTolerance already belongs to a strategy: make one per strategy.")
+        self._training = training
+
+    def _bound(self) -> FaultTolerantTraining:
+        if self._training is None:
+            raise FaultToleranceError(
+                "This FaultTolerance is not attached to a strategy yet: pass it to "
+                "td.MultiWorkerMirroredStrategy(fault_tolerance=...) first.")
+        return self._training
+
+    @property
+    def committed_step(self) -> int:
+        """Training steps the job has committed (a joining worker's count is the job's)."""
+        return self._bound().group.committed_step
+
+    def epochs(self, num_epochs: int, initial_epoch: int = 0) -> Iterator[int]:
+        """The epoch numbers from where the job is (``initial_epoch`` at its start) to
+        ``num_epochs``: a worker that joins a running job starts its loop at the job's epoch.
+        """
+        training = self._bound()
+        training.loop_started(initial_epoch)
+        training.begin_step()  # a joining worker learns the job's epoch here
+        epoch = training.loop_epoch
+        while epoch < num_epochs:
+            training.loop_epoch = epoch
+            yield epoch
+            epoch = training.loop_epoch + 1
+        training.loop_epoch = epoch
+
+
+class FaultTolerantTraining:
+    """A strategy's fault-tolerant steps: the group, what a joining worker receives, the
+    datasets' positions, the committed-step log and the preemption signal.
+
+    ``state``: the strategy's captured state (``RecoverableState``). ``on_membership(world_size,
+    rank)``: called after every quorum.
+    """
+
+    def __init__(self, options: FaultTolerance, *, slot: int, num_slots: int, host: str, verify: bool,
+                 what: str, state: RecoverableState, on_membership: Callable[[int, int], None]) -> None:
+        self.options = options
+        self.slot = slot
+        self.num_slots = num_slots
+        self.min_workers = options.resolved_min_workers(num_slots)
+        self._state = state
+        self._on_membership = on_membership
+        self._sources: list[weakref.ref[LiveSplitSource]] = []
+        self._pending_positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._reads: list[tuple[int, int, int]] = []
+        self._commits_in_step = 0
+        self.loop_epoch = 0
+        self._loop_used = False
+        self._joined: dict[str, Any] | None = None  # what a heal brought, checked after the quorum
+        self._preempted = False
+        log_dir = options.log_dir or os.environ.get(ENV_LOG_DIR) or None
+        self._log = CommittedStepLog(log_dir, slot) if log_dir else None
+        self.group = FaultTolerantGroup(
+            slot=slot, host=host, lighthouse=lighthouse_address(options.lighthouse), min_workers=self.min_workers,
+            timeout=options.timeout, quorum_timeout=options.quorum_timeout,
+            secret=required_secret(host, f"{what} (fault-tolerant)"), verify=verify,
+            state_dict=self._state_dict, load_state_dict=self._load_state_dict)
+        options.attach(self)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        atexit.register(self.close)
+
+    # -- steps ---------------------------------------------------------------------------
+    def begin_step(self) -> tuple[int, int]:
+        """This step's (world_size, rank): the quorum made if the step has none yet."""
+        if self._preempted:
+            self._leave()
+        group = self.group
+        if not group.step_open:
+            group.begin_step()
+            self._reads = []
+            self._commits_in_step = 0
+            self._on_membership(group.world_size, group.rank)
+            if self._joined is not None:
+                self._check_joined()
+        return group.world_size, group.rank
+
+    def commit(self) -> bool:
+        """torchft's verdict on this step; logged when committed."""
+        self._commits_in_step += 1
+        if self._commits_in_step > 1:
+            raise FaultToleranceError(
+                "A second optimizer step in one fault-tolerant step: under FaultTolerance each training step "
+                "(from one quorum to the next) makes one optimizer step, which torchft commits or drops as a "
+                "whole. Step several optimizers (a GAN's) in separate strategy.run calls.")
+        group = self.group
+        committed = group.should_commit()
+        if committed and self._log is not None:
+            self._log.write(step=group.committed_step, quorum=group.quorum_id, workers=group.participants,
+                            reads=self._reads)
+        return committed
+
+    @property
+    def step_failed(self) -> bool:
+        return self.group.step_failed
+
+    # -- datasets ------------------------------------------------------------------------
+    def live_source(self, dataset: Iterable[Any]) -> LiveSplitSource:
+        """``dataset`` as a source cut by every step's workers; the ``k``-th made is dataset ``k``
+        of the log and of a joining worker's positions."""
+        index = len(self._sources)
+
+        def on_read(passes: int, batch: int) -> None:
+            self._reads.append((index, passes, batch))
+
+        def begin() -> tuple[int, int]:
+            return self.begin_step()
+
+        source = LiveSplitSource(dataset, begin, on_read)
+        self._sources.append(weakref.ref(source))
+        pending = self._pending_positions.pop(index, None)
+        if pending is not None:
+            source.resume_at(*pending)
+        return source
+
+    # -- the loop ------------------------------------------------------------------------
+    def loop_started(self, initial_epoch: int) -> None:
+        if not self._loop_used:
+            self._loop_used = True
+            if self.group.committed_step == 0 and not self._joined:
+                self.loop_epoch = initial_epoch
+
+    # -- what a joining worker receives -------------------------------------------------
+    def _state_dict(self) -> dict[str, Any]:
+        sources = [ref() for ref in self._sources]
+        return {
+            "strategy": self._state.recovery_state(),
+            "rng": capture_rng([]),
+            "sources": [source.position() if source is not None else {} for source in sources],
+            "loop": {"used": self._loop_used, "epoch": self.loop_epoch},
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state.load_recovery_state(state["strategy"])
+        restore_rng(state["rng"], [])
+        for index, position in enumerate(state["sources"]):
+            if not position:
+                continue
+            source = self._sources[index]() if index < len(self._sources) else None
+            if source is not None:
+                source.resume_at(position, state["rng"])
+            else:
+                self._pending_positions[index] = (position, state["rng"])
+        self.loop_epoch = int(state["loop"]["epoch"])
+        self._joined = state
+
+    def _check_joined(self) -> None:
+        """A worker that joined a running job must be able to go on where the job is."""
+        joined, self._joined = self._joined, None
+        assert joined is not None
+        if self.group.committed_step == 0:
+            return  # the start of the job: every worker takes the first one's state
+        resumed_passes = [p.get("pass", 0) for p in joined["sources"] if p and p.get("started")]
+        if not self._loop_used and (joined["loop"]["used"] or any(resumed_passes)):
+            raise FaultToleranceError(
+                f"Worker {self.slot} joined the job at committed step {self.group.committed_step}, in epoch "
+                f"{joined['loop']['epoch']}, but its training loop starts at the beginning: write the epoch "
+                "loop as `for epoch in ft.epochs(EPOCHS):` (ft: the strategy's td.experimental.FaultTolerance) "
+                "so that a worker that joins enters it where the job is.")
+        _log.info("worker %d joined at committed step %d (epoch %d)", self.slot, self.group.committed_step,
+                  self.loop_epoch)
+
+    # -- leaving -------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._preempted = True
+
+    def _leave(self) -> None:
+        _log.warning("worker %d was asked to stop (SIGTERM): leaving the job at the step boundary; the "
+                     "others go on", self.slot)
+        self.close()
+        raise SystemExit(LEFT_FOR_PREEMPTION)
+
+    def close(self) -> None:
+        """Leave the job (at exit, or when preempted)."""
+        atexit.unregister(self.close)
+        self.group.close()
