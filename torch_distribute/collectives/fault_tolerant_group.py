@@ -55,8 +55,10 @@ from torch_distribute.errors import FaultToleranceError, NotEnoughWorkersError, 
 from torch_distribute.log import get_logger
 
 __all__ = [
+    "ENV_JOINED_FILE",
     "ENV_LIGHTHOUSE",
     "ENV_MIN_WORKERS",
+    "LEFT_FOR_PREEMPTION",
     "FaultTolerantGroup",
     "StepAgreement",
     "replica_name",
@@ -67,6 +69,12 @@ __all__ = [
 ENV_LIGHTHOUSE = "TD_FT_LIGHTHOUSE"
 #: The ``min_workers`` the launcher started the lighthouse with.
 ENV_MIN_WORKERS = "TD_FT_MIN_WORKERS"
+#: A file the worker creates once it has joined a quorum (set by the launcher, which stops a
+#: replacement that had not joined when the job finished).
+ENV_JOINED_FILE = "TD_FT_JOINED_FILE"
+#: The exit status of a worker that left its job after a SIGTERM (128 + SIGTERM, as a process
+#: killed by it reports): ``torch-distribute launch`` starts a replacement.
+LEFT_FOR_PREEMPTION = 143
 _TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"  # torchft's own name for it, read as a fallback
 _TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
@@ -193,8 +201,9 @@ class FaultTolerantGroup:
 
     @property
     def step_open(self) -> bool:
-        """Whether a quorum was made and its step has not committed or failed yet."""
-        return self._step_open and self._failure is None
+        """Whether a quorum was made and its step was not closed yet (``should_commit`` or
+        ``close_step``); a step whose collectives failed stays open until closed."""
+        return self._step_open
 
     @property
     def step_failed(self) -> bool:
@@ -243,10 +252,9 @@ class FaultTolerantGroup:
         self._step_open = False
         return committed
 
-    def end_step(self) -> None:
-        """Close a step that made no optimizer step (its quorum is not reused once it failed)."""
-        if self._failure is not None:
-            self._step_open = False
+    def close_step(self) -> None:
+        """Close the step without a commit (one that failed before any optimizer step)."""
+        self._step_open = False
 
     def _failed(self, what: str, error: BaseException) -> None:
         if self._failure is None:

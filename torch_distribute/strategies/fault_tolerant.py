@@ -33,7 +33,9 @@ from types import FrameType
 from typing import Any, Protocol
 
 from torch_distribute.collectives.fault_tolerant_group import (
+    ENV_JOINED_FILE,
     ENV_MIN_WORKERS,
+    LEFT_FOR_PREEMPTION,
     FaultTolerantGroup,
     lighthouse_address,
 )
@@ -44,11 +46,8 @@ from torch_distribute.strategies.committed_steps import CommittedStepLog
 from torch_distribute.strategies.fault_tolerant_input import LiveSplitSource
 from torch_distribute.strategies.random_state import capture_rng, restore_rng
 
-__all__ = ["ENV_LOG_DIR", "LEFT_FOR_PREEMPTION", "FaultTolerance", "FaultTolerantTraining", "RecoverableState"]
+__all__ = ["ENV_LOG_DIR", "FaultTolerance", "FaultTolerantTraining", "RecoverableState"]
 
-#: The exit status of a worker that left its job after a SIGTERM (128 + SIGTERM, as a process
-#: killed by it reports): ``torch-distribute launch`` starts a replacement.
-LEFT_FOR_PREEMPTION = 143
 #: Where the committed-step log goes when ``FaultTolerance(log_dir=...)`` is not given.
 ENV_LOG_DIR = "TD_FT_LOG_DIR"
 
@@ -175,17 +174,20 @@ class FaultTolerantTraining:
     datasets' positions, the committed-step log and the preemption signal.
 
     ``state``: the strategy's captured state (``RecoverableState``). ``on_membership(world_size,
-    rank)``: called after every quorum.
+    rank)``: called after every quorum; ``on_dropped()``: when a step closes without a commit
+    after a failure (the strategy puts back what the step changed).
     """
 
     def __init__(self, options: FaultTolerance, *, slot: int, num_slots: int, host: str, verify: bool,
-                 what: str, state: RecoverableState, on_membership: Callable[[int, int], None]) -> None:
+                 what: str, state: RecoverableState, on_membership: Callable[[int, int], None],
+                 on_dropped: Callable[[], None]) -> None:
         self.options = options
         self.slot = slot
         self.num_slots = num_slots
         self.min_workers = options.resolved_min_workers(num_slots)
         self._state = state
         self._on_membership = on_membership
+        self._on_dropped = on_dropped
         self._sources: list[weakref.ref[LiveSplitSource]] = []
         self._pending_positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._reads: list[tuple[int, int, int]] = []
@@ -194,6 +196,7 @@ class FaultTolerantTraining:
         self._loop_used = False
         self._joined: dict[str, Any] | None = None  # what a heal brought, checked after the quorum
         self._preempted = False
+        self._announced_join = False
         log_dir = options.log_dir or os.environ.get(ENV_LOG_DIR) or None
         self._log = CommittedStepLog(log_dir, slot) if log_dir else None
         self.group = FaultTolerantGroup(
@@ -207,19 +210,36 @@ class FaultTolerantTraining:
         atexit.register(self.close)
 
     # -- steps ---------------------------------------------------------------------------
-    def begin_step(self) -> tuple[int, int]:
-        """This step's (world_size, rank): the quorum made if the step has none yet."""
+    def begin_step(self, reading: bool = True) -> tuple[int, int]:
+        """This step's (world_size, rank), the quorum made where a new step starts.
+
+        A step starts at the first read of its global batch (``reading``; also at
+        ``ft.epochs``) or at ``strategy.run`` when nothing was read since the last step
+        closed. It closes at its optimizer step (committed or dropped), or at the end of a
+        ``run`` when a collective failed. So a step that failed while its batch was read
+        still runs on its old quorum (its collectives return at once): every worker makes
+        its next quorum at the same point of the program.
+        """
         if self._preempted:
             self._leave()
         group = self.group
-        if not group.step_open:
+        if not group.step_open or (reading and group.step_failed):
             group.begin_step()
+            if not self._announced_join:
+                self._announce_join()
             self._reads = []
             self._commits_in_step = 0
             self._on_membership(group.world_size, group.rank)
             if self._joined is not None:
                 self._check_joined()
         return group.world_size, group.rank
+
+    def end_run(self) -> None:
+        """After ``strategy.run``: a step whose collectives failed closes here, and what it
+        left (accumulated gradients, moved statistics) is dropped (``on_dropped``)."""
+        if self.group.step_open and self.group.step_failed:
+            self.group.close_step()
+            self._on_dropped()
 
     def commit(self) -> bool:
         """torchft's verdict on this step; logged when committed."""
@@ -305,6 +325,14 @@ class FaultTolerantTraining:
                 "so that a worker that joins enters it where the job is.")
         _log.info("worker %d joined at committed step %d (epoch %d)", self.slot, self.group.committed_step,
                   self.loop_epoch)
+
+    def _announce_join(self) -> None:
+        """Tell the launcher this worker is part of the job now (``TD_FT_JOINED_FILE``)."""
+        self._announced_join = True
+        path = os.environ.get(ENV_JOINED_FILE)
+        if path:
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(f"{self.group.committed_step}\n")
 
     # -- leaving -------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:

@@ -112,7 +112,7 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         self._ft = FaultTolerantTraining(
             fault_tolerance, slot=self._worker_index, num_slots=self._num_workers,
             host=store_host(fault_tolerance.lighthouse), verify=self._options.verify_collectives,
-            what=what, state=self, on_membership=self._on_quorum)
+            what=what, state=self, on_membership=self._on_quorum, on_dropped=self._drop_step)
         self._group = self._ft.group
         # No broadcast from the chief: at the first quorum every worker takes the state of
         # the quorum's first one (torchft's init_sync). A module made after that is refused.
@@ -171,13 +171,20 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             return True
         self._committed = self._ft.commit()
         if not self._committed:
-            with torch.no_grad():
-                for record in records:
-                    record.live_primary().grad = None
-                buffers = [r.live_primary() for r in self._state.records() if r.is_buffer]
-                for buffer, before in zip(buffers, self._buffers_before, strict=False):
-                    buffer.copy_(before)
+            self._drop_step()
         return self._committed
+
+    def _drop_step(self) -> None:
+        """A step that is not committed leaves nothing: its gradients go, and the buffers
+        (a batch-norm's statistics) are put back as they were at its quorum."""
+        with torch.no_grad():
+            for record in self._state.records():
+                primary = record.live_primary()
+                if primary.grad is not None:
+                    primary.grad = None
+            buffers = [r.live_primary() for r in self._state.records() if r.is_buffer]
+            for buffer, before in zip(buffers, self._buffers_before, strict=False):
+                buffer.copy_(before)
 
     def scheduler_step(self, scheduler: Any, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._committed is False:
@@ -212,10 +219,14 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
 
     def call_for_each_replica(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._ft is not None:
-            self._ft.begin_step()
+            self._ft.begin_step(reading=False)
         if self._group is not None:
             self._group.begin_run()
-        result = super().call_for_each_replica(fn, args, kwargs)
+        try:
+            result = super().call_for_each_replica(fn, args, kwargs)
+        finally:
+            if self._ft is not None:
+                self._ft.end_run()
         for synchronizer in self._synchronizers.values():
             synchronizer.attach_hooks()
         return result
