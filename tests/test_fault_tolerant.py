@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not install
               pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")]
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "ft_mwms.py")
+FIT_WORKER = str(Path(__file__).resolve().parent / "workers" / "ft_fit.py")
 TIMEOUT = 3.0  # FaultTolerance(timeout=...) in the job: a stopped worker is lost after it
 
 
@@ -79,17 +80,18 @@ def _fields(line: str, tag: str) -> list[str] | None:
 class _Job:
     """The chaos job's launcher (in a thread) and what its workers printed so far."""
 
-    def __init__(self, log_dir: Path, self_kill: str) -> None:
+    def __init__(self, command: list[str], log_dir: Path, **env: str) -> None:
         self.out = _Lines()
         self.code: int | None = None
-        env = {**P.WORKER_START_ENV, "FT_SELF_KILL": self_kill, "TD_FT_LOG_DIR": str(log_dir)}
+        self.log_dir = log_dir
+        env = {**P.WORKER_START_ENV, "TD_FT_LOG_DIR": str(log_dir), **env}
         self.out.write("TEST launching\n")
-        self._thread = threading.Thread(target=self._run, args=(env,), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(command, env), daemon=True)
         self._thread.start()
 
-    def _run(self, env: dict[str, str]) -> None:
-        self.code = launch([WORKER, "--epochs", "7", "--timeout", str(TIMEOUT)], nproc=3, min_workers=2,
-                           extra_env=env, grace_period=2, timeout=200, stdout=self.out, stderr=self.out)
+    def _run(self, command: list[str], env: dict[str, str]) -> None:
+        self.code = launch(command, nproc=3, min_workers=2, extra_env=env, grace_period=2, timeout=200,
+                           stdout=self.out, stderr=self.out)
 
     def starts(self) -> list[tuple[int, int, int]]:
         """(slot, pid, generation) of every process started, in order."""
@@ -128,59 +130,81 @@ class _Job:
         self._thread.join(timeout=200)
         self.out.write(f"TEST launcher returned {self.code}\n")
 
+    def lose(self, kind: str, slot: int, rng: random.Random) -> dict:
+        """Once all 3 are live, a few steps on: ``kind`` (kill, stop, term) to ``slot``'s
+        process, then wait until all 3 are live again; what happened, for the asserts."""
+        self.wait_for(self.all_live, f"all 3 live before the {kind}")
+        target = self.committed() + rng.randint(2, 8)
+        self.wait_for(lambda: self.committed() >= target, f"step {target}")
+        before = {s: self.pid(s) for s in range(3)}
+        at = self.committed()
+        os.kill(before[slot], {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind])
+        self.out.write(f"TEST sent {kind} to slot {slot} at step {at}\n")
+        if kind == "stop":
+            # The others go on without it once the collective timeout has passed.
+            self.wait_for(lambda: self.committed() >= at + 2, "steps without the stopped worker")
+            time.sleep(1.0)
+            os.kill(before[slot], signal.SIGCONT)
+            self.wait_for(lambda: self.all_live(before), "the stopped worker back in the quorum")
+        else:
+            self.wait_for(lambda: self.pid(slot) != before[slot] and self.all_live(), f"the {kind}ed one replaced")
+        return {"kind": kind, "slot": slot, "before": before, "after": {s: self.pid(s) for s in range(3)}, "at": at}
+
+    def end(self) -> dict:
+        """Wait for the launcher, kill whatever is left (by pid), and collect the results."""
+        try:
+            self.finish()
+        finally:
+            for pid in {pid for _, pid, _ in self.starts()}:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            self.finish()
+            with open(self.log_dir / "output.txt", "w") as file:  # every line, with when it came
+                start = self.out.times[0] if self.out.times else 0.0
+                file.writelines(f"{t - start:8.2f} {line}\n" for t, line in zip(self.out.times, self.out.lines, strict=False))
+        results = {}
+        for line in self.out.snapshot():
+            payload = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+            if payload.startswith("FTRESULT "):
+                result = json.loads(payload[len("FTRESULT "):])
+                results[result["slot"]] = result
+        return results
+
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory):
     seed = int(os.environ.get("TD_FT_TEST_SEED", random.randrange(1 << 30)))
     print(f"chaos job seed: TD_FT_TEST_SEED={seed}")
     rng = random.Random(seed)
-    log_dir = tmp_path_factory.mktemp("ft_log")
-    slots = rng.sample(range(3), 3)
-    killed_self, killed, stopped = slots[0], slots[1], slots[2]
+    killed_self, killed, stopped = rng.sample(range(3), 3)
     preempted = rng.randrange(3)
-    self_kill_step = rng.randint(3, 10)
-    job = _Job(log_dir, f"{killed_self}:{self_kill_step}")
+    job = _Job([WORKER, "--epochs", "7", "--timeout", str(TIMEOUT)], tmp_path_factory.mktemp("ft_log"),
+               FT_SELF_KILL=f"{killed_self}:{rng.randint(3, 10)}")
     events: list[dict] = []
     try:
         job.wait_for(lambda: len([s for s in job.starts() if s[0] == killed_self]) == 2, "the self-killed one's replacement")
-        events.append({"kind": "self-kill", "slot": killed_self, "before": None, "after": job.pid(killed_self)})
+        events.append({"kind": "self-kill", "slot": killed_self})
         for kind, slot in (("kill", killed), ("stop", stopped), ("term", preempted)):
-            job.wait_for(job.all_live, f"all 3 live before the {kind}")
-            target = job.committed() + rng.randint(2, 8)
-            job.wait_for(lambda t=target: job.committed() >= t, f"step {target}")
-            before = {s: job.pid(s) for s in range(3)}
-            at = job.committed()
-            os.kill(before[slot], {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}[kind])
-            job.out.write(f"TEST sent {kind} to slot {slot} at step {at}\n")
-            if kind == "stop":
-                # The others go on without it once the collective timeout has passed.
-                job.wait_for(lambda a=at: job.committed() >= a + 2, "steps without the stopped worker", 60)
-                time.sleep(1.0)
-                os.kill(before[slot], signal.SIGCONT)
-                job.wait_for(lambda b=before: job.all_live(b), "the stopped worker back in the quorum")
-            else:
-                job.wait_for(lambda s=slot, b=before: job.pid(s) != b[s] and job.all_live(), f"the {kind}ed one replaced")
-            events.append({"kind": kind, "slot": slot, "before": before, "after": {s: job.pid(s) for s in range(3)},
-                           "at": at})
-        job.finish()
+            events.append(job.lose(kind, slot, rng))
     finally:
-        for pid in {pid for _, pid, _ in job.starts()}:  # whatever is left, by pid
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        job.finish()
-        with open(log_dir / "output.txt", "w") as file:  # every line, with when it came
-            start = job.out.times[0] if job.out.times else 0.0
-            file.writelines(f"{t - start:8.2f} {line}\n" for t, line in zip(job.out.times, job.out.lines, strict=False))
-    results = {}
-    for line in job.out.snapshot():
-        payload = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
-        if payload.startswith("FTRESULT "):
-            result = json.loads(payload[len("FTRESULT "):])
-            results[result["slot"]] = result
-    return {"job": job, "events": events, "results": results, "log_dir": log_dir, "seed": seed}
+        results = job.end()
+    return {"job": job, "events": events, "results": results, "log_dir": job.log_dir, "seed": seed}
+
+
+@pytest.fixture(scope="module")
+def fit_job(tmp_path_factory):
+    seed = int(os.environ.get("TD_FT_TEST_SEED", random.randrange(1 << 30)))
+    print(f"fit job seed: TD_FT_TEST_SEED={seed}")
+    rng = random.Random(seed)
+    job = _Job([FIT_WORKER, "--epochs", "4", "--timeout", str(TIMEOUT)], tmp_path_factory.mktemp("ft_fit_log"))
+    try:
+        event = job.lose("kill", rng.randrange(3), rng)
+    finally:
+        results = job.end()
+    return {"job": job, "events": [event], "results": results, "log_dir": job.log_dir}
 
 
 def test_the_job_finishes_and_every_worker_ends_bitwise_equal(chaos):
@@ -212,11 +236,27 @@ def test_the_others_never_restart_and_their_step_never_goes_back(chaos):
 
 
 def test_a_one_process_replay_of_the_committed_log_gives_the_same_parameters(chaos):
-    records = td.experimental.read_committed_steps(chaos["log_dir"])
-    results = chaos["results"]
+    _check_replay(chaos, fit=False)
+
+
+def test_fit_survives_a_lost_worker_like_a_custom_loop(fit_job):
+    job, results = fit_job["job"], fit_job["results"]
+    assert job.code == 0, "\n".join(job.out.snapshot()[-60:])
+    assert sorted(results) == [0, 1, 2]
+    assert len({r["params"] for r in results.values()}) == 1
+    assert len({r["optimizer"] for r in results.values()}) == 1
+    assert len({r["val_loss"] for r in results.values()}) == 1  # validation over the same workers
+    event = fit_job["events"][0]
+    assert all(event["after"][s] == event["before"][s] for s in range(3) if s != event["slot"])
+    _check_replay(fit_job, fit=True)
+
+
+def _check_replay(job: dict, fit: bool) -> None:
+    records = td.experimental.read_committed_steps(job["log_dir"])
+    results = job["results"]
     assert len(records) == results[0]["committed"]
     assert {len(r["workers"]) for r in records} == {2, 3}
-    model = replay(records)
+    model = replay(records, fit=fit)
     expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     got = torch.tensor([v for values in results[0]["values"] for v in values])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -38,26 +38,40 @@ def digest(state: Any) -> str:
     return hashlib.sha256(buffer.getvalue()).hexdigest()
 
 
-def replay(records: list[dict]) -> torch.nn.Module:
+def replay(records: list[dict], fit: bool = False) -> torch.nn.Module:
     """One process, no strategy: train on the global batches the committed steps read, in
-    order (``records``: ``td.experimental.read_committed_steps``)."""
+    order (``records``: ``td.experimental.read_committed_steps``): from the custom loop's
+    dataset ``#0`` (its pass ``p`` is the loader's ``p``-th), or under ``fit`` from
+    ``fit/train/<epoch>`` (one pass each: the loader's ``epoch``-th)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny steps: threads only cost on a busy machine
     try:
-        return _replay(records)
+        return _replay(records, fit)
     finally:
         torch.set_num_threads(threads)
 
 
-def _replay(records: list[dict]) -> torch.nn.Module:
+def _position(read: list) -> tuple[int, int] | None:
+    key, passes, batch = read
+    if key == "#0":
+        return passes, batch
+    if key.startswith("fit/train/"):
+        return int(key.rsplit("/", 1)[1]) + passes, batch
+    return None
+
+
+def _replay(records: list[dict], fit: bool) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    wanted = [tuple(read[1:]) for record in records for read in record["reads"] if read[0] == 0]
+    wanted = [position for record in records for read in record["reads"]
+              if (position := _position(read)) is not None and read[0].startswith("fit/") == fit]
     assert len(wanted) == len(records), "one training batch per committed step"
     order = {position: k for k, position in enumerate(wanted)}
     batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     loader = make_loader()
+    if fit:
+        iter(loader)  # fit looks once whether its data can be iterated again (drawing a seed)
     for passes in range(1 + max(p for p, _ in wanted)):
         for index, batch in enumerate(loader):
             if (passes, index) in order:

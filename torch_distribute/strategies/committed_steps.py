@@ -3,13 +3,15 @@
 Every worker appends one JSON line per step it commits to ``<log_dir>/worker-<slot>.jsonl``
 (a replacement goes on in the file of the worker it replaces)::
 
-    {"step": 12, "quorum": 3, "workers": [0, 2], "reads": [[0, 1, 4]], "writer": 2}
+    {"step": 12, "quorum": 3, "workers": [0, 2], "reads": [["#0", 1, 4]], "writer": 2}
 
 ``step``: the job's committed-step count after this step (1 for the first). ``quorum``:
 torchft's quorum id, which only grows. ``workers``: the slots of the workers whose rows the
 step summed, in rank order. ``reads``: what the distributed datasets handed out during the
 step, as ``[dataset, pass, batch]``: the ``batch``-th global batch of the ``pass``-th pass
-over the ``dataset``-th distributed dataset made (0 for the first), split over ``workers``.
+over ``dataset``, split over ``workers``. ``dataset`` is ``"#k"`` for the ``k``-th
+distributed dataset the program made (``"#0"`` first), or the key it was made under
+(``fit``'s: ``"fit/train/<epoch>"``, ``"fit/val/<epoch>"``).
 
 ``read_committed_steps`` merges the files into the job's history: one record per step, in
 order. The workers of one quorum wrote the same record (else ``FaultToleranceError``). Two
@@ -22,9 +24,9 @@ parameters (``tests/test_fault_tolerant.py`` does).
 >>> import tempfile
 >>> directory = tempfile.mkdtemp()
 >>> log = CommittedStepLog(directory, slot=0)
->>> log.write(step=1, quorum=1, workers=[0, 1], reads=[(0, 0, 0)])
+>>> log.write(step=1, quorum=1, workers=[0, 1], reads=[("#0", 0, 0)])
 >>> [record["reads"] for record in read_committed_steps(directory)]
-[[[0, 0, 0]]]
+[[['#0', 0, 0]]]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class CommittedStepLog:
         self.path = os.path.join(os.fspath(directory), f"worker-{slot}.jsonl")
         self._slot = slot
 
-    def write(self, *, step: int, quorum: int, workers: Sequence[int], reads: Sequence[Sequence[int]]) -> None:
+    def write(self, *, step: int, quorum: int, workers: Sequence[int], reads: Sequence[Sequence[object]]) -> None:
         """One line, flushed to the OS at once (a worker killed right after still has it)."""
         record = {"step": step, "quorum": quorum, "workers": list(workers),
                   "reads": [list(read) for read in reads], "writer": self._slot}

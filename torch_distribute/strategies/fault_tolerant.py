@@ -24,6 +24,7 @@ middle) and ``committed_step``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -158,15 +159,7 @@ class FaultTolerance:
         """The epoch numbers from where the job is (``initial_epoch`` at its start) to
         ``num_epochs``: a worker that joins a running job starts its loop at the job's epoch.
         """
-        training = self._bound()
-        training.loop_started(initial_epoch)
-        training.begin_step()  # a joining worker learns the job's epoch here
-        epoch = training.loop_epoch
-        while epoch < num_epochs:
-            training.loop_epoch = epoch
-            yield epoch
-            epoch = training.loop_epoch + 1
-        training.loop_epoch = epoch
+        return self._bound().epochs(num_epochs, initial_epoch)
 
 
 class FaultTolerantTraining:
@@ -188,9 +181,13 @@ class FaultTolerantTraining:
         self._state = state
         self._on_membership = on_membership
         self._on_dropped = on_dropped
-        self._sources: list[weakref.ref[LiveSplitSource]] = []
-        self._pending_positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-        self._reads: list[tuple[int, int, int]] = []
+        self._sources: dict[str, weakref.ref[LiveSplitSource]] = {}
+        self._unnamed_sources = 0
+        self._next_key: str | None = None
+        self._pending_positions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._pending_extra: dict[str, Any] = {}
+        self._reads: list[tuple[str, int, int]] = []
         self._commits_in_step = 0
         self.loop_epoch = 0
         self._loop_used = False
@@ -262,51 +259,88 @@ class FaultTolerantTraining:
 
     # -- datasets ------------------------------------------------------------------------
     def live_source(self, dataset: Iterable[Any]) -> LiveSplitSource:
-        """``dataset`` as a source cut by every step's workers; the ``k``-th made is dataset ``k``
-        of the log and of a joining worker's positions."""
-        index = len(self._sources)
+        """``dataset`` as a source cut by every step's workers. Its key, in the log and in a
+        joining worker's positions: the one ``dataset_key`` gives, else ``#k`` for the
+        ``k``-th unnamed one made."""
+        key = self._next_key
+        if key is None:
+            key = f"#{self._unnamed_sources}"
+            self._unnamed_sources += 1
 
         def on_read(passes: int, batch: int) -> None:
-            self._reads.append((index, passes, batch))
+            self._reads.append((key, passes, batch))
 
         def begin() -> tuple[int, int]:
             return self.begin_step()
 
         source = LiveSplitSource(dataset, begin, on_read)
-        self._sources.append(weakref.ref(source))
-        pending = self._pending_positions.pop(index, None)
+        self._sources[key] = weakref.ref(source)
+        pending = self._pending_positions.pop(key, None)
         if pending is not None:
             source.resume_at(*pending)
         return source
 
+    @contextlib.contextmanager
+    def dataset_key(self, key: str) -> Iterator[None]:
+        """Distributed datasets made meanwhile are known by ``key`` (``fit``: ``fit/train/3``),
+        whatever the order in which a worker makes them."""
+        previous, self._next_key = self._next_key, key
+        try:
+            yield
+        finally:
+            self._next_key = previous
+
+    def register_state(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """More state a joining worker receives (``fit`` registers its own); loaded at once
+        if it arrived before being registered."""
+        self._extra[name] = (state_dict, load_state_dict)
+        if name in self._pending_extra:
+            load_state_dict(self._pending_extra.pop(name))
+
+    def unregister_state(self, name: str) -> None:
+        self._extra.pop(name, None)
+
     # -- the loop ------------------------------------------------------------------------
-    def loop_started(self, initial_epoch: int) -> None:
+    def epochs(self, num_epochs: int, initial_epoch: int = 0) -> Iterator[int]:
+        """``FaultTolerance.epochs``: from the job's epoch (``initial_epoch`` at its start)."""
         if not self._loop_used:
             self._loop_used = True
-            if self.group.committed_step == 0 and not self._joined:
+            if self.group.committed_step == 0 and self._joined is None:
                 self.loop_epoch = initial_epoch
+        self.begin_step()  # a joining worker learns the job's epoch here
+        epoch = self.loop_epoch
+        while epoch < num_epochs:
+            self.loop_epoch = epoch
+            yield epoch
+            epoch = self.loop_epoch + 1
+        self.loop_epoch = epoch
 
     # -- what a joining worker receives -------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
-        sources = [ref() for ref in self._sources]
+        sources = {key: ref() for key, ref in self._sources.items()}
         return {
             "strategy": self._state.recovery_state(),
             "rng": capture_rng([]),
-            "sources": [source.position() if source is not None else {} for source in sources],
+            "sources": {key: source.position() for key, source in sources.items() if source is not None},
             "loop": {"used": self._loop_used, "epoch": self.loop_epoch},
+            "extra": {name: state_dict() for name, (state_dict, _) in self._extra.items()},
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self._state.load_recovery_state(state["strategy"])
         restore_rng(state["rng"], [])
-        for index, position in enumerate(state["sources"]):
-            if not position:
-                continue
-            source = self._sources[index]() if index < len(self._sources) else None
+        for key, position in state["sources"].items():
+            ref = self._sources.get(key)
+            source = ref() if ref is not None else None
             if source is not None:
                 source.resume_at(position, state["rng"])
             else:
-                self._pending_positions[index] = (position, state["rng"])
+                self._pending_positions[key] = (position, state["rng"])
+        for name, value in state["extra"].items():
+            if name in self._extra:
+                self._extra[name][1](value)
+            else:
+                self._pending_extra[name] = value
         self.loop_epoch = int(state["loop"]["epoch"])
         self._joined = state
 
@@ -316,7 +350,7 @@ class FaultTolerantTraining:
         assert joined is not None
         if self.group.committed_step == 0:
             return  # the start of the job: every worker takes the first one's state
-        resumed_passes = [p.get("pass", 0) for p in joined["sources"] if p and p.get("started")]
+        resumed_passes = [p.get("pass", 0) for p in joined["sources"].values() if p.get("started")]
         if not self._loop_used and (joined["loop"]["used"] or any(resumed_passes)):
             raise FaultToleranceError(
                 f"Worker {self.slot} joined the job at committed step {self.group.committed_step}, in epoch "
