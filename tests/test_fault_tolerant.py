@@ -260,3 +260,169 @@ def _check_replay(job: dict, fit: bool) -> None:
     expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     got = torch.tensor([v for values in results[0]["values"] for v in values])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# -- in-process: the pieces ------------------------------------------------------------------------
+
+
+def test_fault_tolerance_settings_are_checked(monkeypatch):
+    with pytest.raises(td.InvalidArgumentError, match="min_workers=0"):
+        td.experimental.FaultTolerance(min_workers=0)
+    with pytest.raises(td.InvalidArgumentError, match="timeout"):
+        td.experimental.FaultTolerance(min_workers=1, timeout=0)
+    monkeypatch.delenv("TD_FT_MIN_WORKERS", raising=False)
+    with pytest.raises(td.FaultToleranceError, match="--min-workers N"):
+        td.experimental.FaultTolerance().resolved_min_workers(3)
+    with pytest.raises(td.FaultToleranceError, match="more than the job's 2 workers"):
+        td.experimental.FaultTolerance(min_workers=3).resolved_min_workers(2)
+    monkeypatch.setenv("TD_FT_MIN_WORKERS", "2")
+    assert td.experimental.FaultTolerance().resolved_min_workers(3) == 2
+    with pytest.raises(td.FaultToleranceError, match="give both the same number"):
+        td.experimental.FaultTolerance(min_workers=1).resolved_min_workers(3)
+    with pytest.raises(td.FaultToleranceError, match="not attached to a strategy"):
+        next(td.experimental.FaultTolerance(min_workers=1).epochs(2))
+
+
+def test_without_torchft_the_mode_says_what_to_install(monkeypatch):
+    from torch_distribute.collectives import fault_tolerant_group
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(fault_tolerant_group.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(td.FaultToleranceError, match=r"pip install 'torch-distribute\[ft\]'"):
+        fault_tolerant_group.require_torchft()
+
+
+def test_a_global_batch_is_cut_over_the_steps_workers_and_a_pass_resumes_where_a_peer_is():
+    from torch_distribute.strategies.fault_tolerant_input import LiveSplitSource
+
+    rows = torch.arange(120).view(30, 4).float()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=5, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    membership = [(3, 0), (3, 2), (2, 1)]  # (workers, rank) of each step
+    source = LiveSplitSource(loader, begin_step=lambda: membership[0])
+    reads = iter(source)
+    first = next(reads)[0]
+    assert first.shape[0] == 2  # 5 rows over 3 workers: 2, 2, 1
+    membership.pop(0)
+    assert next(reads)[0].shape[0] == 1  # rank 2's one row of the second batch
+    position = source.position()
+    assert (position["pass"], position["batch"]) == (0, 2)
+    # A worker that joins now: its pass restarts from the same random state, at batch 2.
+    membership.pop(0)
+    expected = next(reads)[0]
+    joined = LiveSplitSource(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=5,
+                                                         shuffle=True, generator=torch.Generator().manual_seed(9)),
+                             begin_step=lambda: (2, 1))
+    joined.resume_at(position, {**position["rng"], "generators": []})
+    assert torch.equal(next(iter(joined))[0], expected)
+
+
+def test_the_log_merges_workers_and_keeps_the_surviving_history(tmp_path):
+    from torch_distribute.strategies.committed_steps import CommittedStepLog
+
+    a, b = CommittedStepLog(tmp_path, 0), CommittedStepLog(tmp_path, 1)
+    for log in (a, b):
+        log.write(step=1, quorum=1, workers=[0, 1], reads=[("#0", 0, 0)])
+    a.write(step=2, quorum=1, workers=[0, 1], reads=[("#0", 0, 1)])  # committed by 0, then 0 was lost
+    b.write(step=2, quorum=2, workers=[1], reads=[("#0", 0, 2)])  # 1 went on without it
+    assert [r["reads"] for r in td.experimental.read_committed_steps(tmp_path)] == [[["#0", 0, 0]], [["#0", 0, 2]]]
+    a.write(step=3, quorum=3, workers=[0, 1], reads=[("#0", 0, 3)])
+    b.write(step=3, quorum=3, workers=[0, 1], reads=[("#0", 0, 4)])
+    with pytest.raises(td.FaultToleranceError, match="logged different contents for step 3"):
+        td.experimental.read_committed_steps(tmp_path)
+    other = tmp_path / "gap"
+    CommittedStepLog(other, 0).write(step=2, quorum=1, workers=[0], reads=[])
+    with pytest.raises(td.FaultToleranceError, match=r"no record of steps \[1\]"):
+        td.experimental.read_committed_steps(other)
+
+
+@pytest.fixture
+def lighthouse(monkeypatch):
+    """A lighthouse in this process (min_workers 1) that every fault-tolerant strategy made here uses."""
+    from torch_distribute.cluster.launcher import free_ports
+    from torch_distribute.cluster.lighthouse import start_lighthouse
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    server = start_lighthouse(address, 1, join_timeout=0.5, heartbeat_timeout=1.0)
+    monkeypatch.setenv("TD_FT_LIGHTHOUSE", f"http://{address}")
+    monkeypatch.delenv("TD_FT_MIN_WORKERS", raising=False)
+    monkeypatch.setenv("TD_JOB_SECRET", "0123456789abcdef-in-process")
+    yield f"http://{address}"
+    server.shutdown()
+
+
+def test_one_worker_trains_step_by_step_and_what_cannot_be_cut_again_is_refused(lighthouse, tmp_path):
+    ft = td.experimental.FaultTolerance(min_workers=1, timeout=5, quorum_timeout=10, log_dir=tmp_path)
+    strategy = td.MultiWorkerMirroredStrategy(fault_tolerance=ft)
+    try:
+        with strategy.scope():
+            model = torch.nn.Linear(4, 2)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = [torch.ones(6, 4)] * 3
+
+        def step(x):
+            td.compute_average_loss(model(x).sum(1), global_batch_size=6).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        for _ in ft.epochs(2):
+            for x in strategy.experimental_distribute_dataset(batches):
+                strategy.run(step, args=(x,))
+        assert ft.committed_step == 6 and strategy.num_replicas_in_sync == 1
+        records = td.experimental.read_committed_steps(tmp_path)
+        assert [r["reads"][0] for r in records] == [[f"#{e}", 0, b] for e in range(2) for b in range(3)]
+        with pytest.raises(td.FaultToleranceError, match="AutoShardPolicy.FILE"):
+            strategy.experimental_distribute_dataset(
+                batches, td.InputOptions(auto_shard_policy=td.AutoShardPolicy.FILE))
+        with pytest.raises(td.FaultToleranceError, match="read ahead"):
+            strategy.experimental_distribute_dataset(batches, td.InputOptions(experimental_per_replica_buffer_size=1))
+        with pytest.raises(td.FaultToleranceError, match="distribute_datasets_from_function"):
+            strategy.distribute_datasets_from_function(lambda ctx: batches)
+        with pytest.raises(td.FaultToleranceError, match="after fault-tolerant training started"):
+            with strategy.scope():
+                late = torch.nn.Linear(2, 2)
+            strategy.run(lambda: late)
+    finally:
+        strategy.extended.fault_tolerance.close()
+
+
+def test_too_few_workers_past_the_quorum_timeout_is_named_and_a_process_without_the_secret_gets_no_state(
+        lighthouse, caplog):
+    from torch_distribute.collectives.fault_tolerant_group import FaultTolerantGroup
+
+    honest_state = {"weights": torch.arange(4.0)}
+    received = []
+
+    def group(slot, secret, min_workers=1, quorum_timeout=20.0):
+        return FaultTolerantGroup(slot=slot, host="127.0.0.1", lighthouse=lighthouse, min_workers=min_workers,
+                                  timeout=3, quorum_timeout=quorum_timeout, secret=secret, verify=True,
+                                  state_dict=lambda: honest_state, load_state_dict=received.append)
+
+    lonely = group(5, b"0123456789abcdef", min_workers=2, quorum_timeout=1.0)
+    try:
+        with pytest.raises(td.NotEnoughWorkersError, match="at least 2 live workers"):
+            lonely.begin_step()
+    finally:
+        lonely.close()
+    honest = group(0, b"0123456789abcdef")
+    try:
+        for _ in range(2):
+            honest.begin_step()
+            assert honest.should_commit()
+        rogue = group(1, b"not-the-job-secret-at-all")  # behind: it would be healed from the honest one
+        outcome = {}
+        thread = threading.Thread(target=lambda: outcome.update(failed=(rogue.begin_step(), rogue.step_failed)[1]))
+        with caplog.at_level("WARNING", logger="torch_distribute.security"):
+            thread.start()
+            time.sleep(1.5)  # its quorum request reaches the lighthouse first: the next quorum has both
+            honest.begin_step()
+            thread.join(timeout=30)
+        assert outcome == {"failed": True} and honest.step_failed
+        assert received == []  # no state reached the process without the secret
+        assert "did not prove the job secret" in caplog.text
+        rogue.close()
+        honest.begin_step()  # once it is gone, the job goes on
+        assert honest.should_commit() and honest.committed_step == 3
+    finally:
+        honest.close()

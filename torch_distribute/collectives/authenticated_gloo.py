@@ -9,54 +9,65 @@ the secret makes the configuration fail on every member (``JobAuthenticationErro
 on ``torch_distribute.security``): no Gloo link to it is opened, so no gradient and no
 recovered state (torchft's ``PGTransport`` sends state over this group) ever reaches it.
 
-Importing this module imports torchft (``fault_tolerant_group.require_torchft`` first).
+torchft is imported by ``authenticated_gloo()``, not by importing this module (importing it
+changes torch's state: ``tests/test_torch_untouched.py``).
 
->>> # pg = AuthenticatedGloo(secret=b"0123456789abcdef", timeout=datetime.timedelta(seconds=30))
+>>> # pg = authenticated_gloo(secret=b"0123456789abcdef", timeout=datetime.timedelta(seconds=30))
 >>> # pg.configure("127.0.0.1:29600/torchft/1/0", "td00000", rank=0, world_size=2)
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any
-
-from torchft.process_group import ProcessGroupGloo
 
 from torch_distribute.collectives import job_auth
 from torch_distribute.errors import JobAuthenticationError
 
-__all__ = ["AuthenticatedGloo"]
+__all__ = ["authenticated_gloo"]
 
 
-class AuthenticatedGloo(ProcessGroupGloo):
+def authenticated_gloo(secret: bytes | None, timeout: datetime.timedelta) -> Any:
     """torchft's reconfigurable Gloo group, made only among holders of ``secret``.
 
     ``secret`` None: the job runs unauthenticated (``job_secret.required_secret`` decided
-    so and warned); the proof is skipped by every member alike.
+    so and warned); the proof is skipped by every member alike. The group also records the
+    quorum it was last made for (``quorum_id``), its members' worker slots in rank order
+    (``members``) and how many configurations in a row were refused at the proof
+    (``authentication_failures``).
     """
+    return _group_class()(secret, timeout)
 
-    def __init__(self, secret: bytes | None, timeout: datetime.timedelta) -> None:
-        super().__init__(timeout=timeout)
-        self._secret = secret
-        self.authentication_failures = 0  # consecutive configurations refused at the proof
-        self.quorum_id = -1  # the quorum the group was last made for
-        self.members: tuple[int, ...] = ()  # its members' global ranks (worker slots), rank order
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  quorum_id: int | None = None, group_rank: int | None = None,
-                  group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
-        """torchft's reconfiguration, remembering which quorum and which members it was for."""
-        self.quorum_id = -1 if quorum_id is None else int(quorum_id)
-        self.members = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
-        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
-                          group_world_size, global_ranks)
+@functools.cache
+def _group_class() -> type:
+    from torchft.process_group import ProcessGroupGloo
 
-    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-        try:
-            job_auth.authenticate(store, rank, world_size, self._secret,
-                                  "the fault-tolerant quorum's store", self._timeout.total_seconds())
-        except JobAuthenticationError:
-            self.authentication_failures += 1
-            raise
-        self.authentication_failures = 0
-        return super()._create_pg(store, rank, world_size)
+    class AuthenticatedGloo(ProcessGroupGloo):  # type: ignore[misc]
+        def __init__(self, secret: bytes | None, timeout: datetime.timedelta) -> None:
+            super().__init__(timeout=timeout)
+            self._secret = secret
+            self.authentication_failures = 0
+            self.quorum_id = -1
+            self.members: tuple[int, ...] = ()
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      quorum_id: int | None = None, group_rank: int | None = None,
+                      group_world_size: int | None = None, global_ranks: list[int] | None = None) -> None:
+            self.quorum_id = -1 if quorum_id is None else int(quorum_id)
+            self.members = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                              group_world_size, global_ranks)
+
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            try:
+                job_auth.authenticate(store, rank, world_size, self._secret,
+                                      "the fault-tolerant quorum's store", self._timeout.total_seconds())
+            except JobAuthenticationError:
+                self.authentication_failures += 1
+                raise
+            self.authentication_failures = 0
+            return super()._create_pg(store, rank, world_size)
+
+    return AuthenticatedGloo

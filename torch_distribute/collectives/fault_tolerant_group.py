@@ -3,7 +3,7 @@
 The engine is torchft (``pip install "torch-distribute[ft]"``): each worker runs a torchft
 ``Manager`` (a replica group of one process), the job's lighthouse forms a *quorum* of the
 live workers at every step, and the Gloo process group is made again for each new quorum
-(``authenticated_gloo.AuthenticatedGloo``: every member proves the job secret first). A
+(``authenticated_gloo``: every member proves the job secret first). A
 worker behind the others (a replacement, or one that was stopped) receives the current
 state from an up-to-date peer over that process group (torchft's ``PGTransport``), inside
 the quorum call, before the step runs. Nothing here is a consensus of its own: who is in a
@@ -40,6 +40,7 @@ import logging
 import os
 import pickle
 import struct
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ class FaultTolerantGroup:
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
 
-        from torch_distribute.collectives.authenticated_gloo import AuthenticatedGloo
+        from torch_distribute.collectives.authenticated_gloo import authenticated_gloo
 
         self.slot = slot
         self.min_workers = min_workers
@@ -175,7 +176,7 @@ class FaultTolerantGroup:
         self._store: Any = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=delta,
             master_listen_fd=listener.detach() if listener is not None else None)
-        self._pg = AuthenticatedGloo(secret, delta)
+        self._pg = authenticated_gloo(secret, delta)
         transport = PGTransport(self._pg, timeout=delta, device=torch.device("cpu"))
         try:
             self._manager = Manager(
@@ -223,18 +224,25 @@ class FaultTolerantGroup:
         """
         self._failure = None
         self.run_count = 0
-        try:
-            with warnings.catch_warnings():
-                # torchft's state transfer: a read-only buffer wrapped, a pytree deprecation.
-                warnings.simplefilter("ignore", UserWarning)
-                warnings.simplefilter("ignore", FutureWarning)
-                self._manager.start_quorum(timeout=datetime.timedelta(seconds=self.quorum_timeout))
-        except Exception as error:  # the lighthouse call timed out (grpc's TimeoutError)
-            raise NotEnoughWorkersError(
-                f"Worker {self.slot} waited {self.quorum_timeout:g} s for a quorum of at least "
-                f"{self.min_workers} live workers and none formed ({error}). Start replacements for the "
-                "lost workers sooner (torch-distribute launch --min-workers restarts them), lower "
-                "min_workers, or raise FaultTolerance(quorum_timeout=...).") from error
+        deadline = time.monotonic() + self.quorum_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                with warnings.catch_warnings():
+                    # torchft's state transfer: a read-only buffer wrapped, a pytree deprecation.
+                    warnings.simplefilter("ignore", UserWarning)
+                    warnings.simplefilter("ignore", FutureWarning)
+                    self._manager.start_quorum(timeout=datetime.timedelta(seconds=max(left, 0.1)))
+            except Exception as error:  # the lighthouse call timed out (grpc's TimeoutError)
+                raise self._too_few(str(error)) from error
+            size = int(self._manager.num_participants())
+            if size >= self.min_workers:
+                break
+            # A lighthouse started with a lower min_workers than this one: such a step could
+            # never commit. Ask again until enough workers are live.
+            if time.monotonic() >= deadline:
+                raise self._too_few(f"the quorum had {size}")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         self._step_open = True
         self.world_size = max(1, int(self._manager.num_participants()))
         self.rank = int(self._manager.participating_rank() or 0)
@@ -244,6 +252,13 @@ class FaultTolerantGroup:
             self._failure = self._manager.errored()
             _log.warning("worker %d: the quorum of step %d could not be set up (%s); the step will not "
                          "be committed", self.slot, self.committed_step + 1, _first_line(self._failure))
+
+    def _too_few(self, detail: str) -> NotEnoughWorkersError:
+        return NotEnoughWorkersError(
+            f"Worker {self.slot} waited {self.quorum_timeout:g} s for a quorum of at least {self.min_workers} "
+            f"live workers and none formed ({detail}). Start replacements for the lost workers sooner "
+            "(torch-distribute launch --min-workers restarts them), lower min_workers, or raise "
+            "FaultTolerance(quorum_timeout=...).")
 
     def should_commit(self) -> bool:
         """torchft's decision for this step: True (and ``committed_step`` + 1) when no

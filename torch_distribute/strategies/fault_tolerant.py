@@ -202,8 +202,9 @@ class FaultTolerantTraining:
             secret=required_secret(host, f"{what} (fault-tolerant)"), verify=verify,
             state_dict=self._state_dict, load_state_dict=self._load_state_dict)
         options.attach(self)
+        self._previous_sigterm: Any = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(self.close)
 
     # -- steps ---------------------------------------------------------------------------
@@ -379,6 +380,11 @@ class FaultTolerantTraining:
         raise SystemExit(LEFT_FOR_PREEMPTION)
 
     def close(self) -> None:
-        """Leave the job (at exit, or when preempted)."""
+        """Leave the job (at exit, when preempted, or when the program is done with it): the
+        SIGTERM handler this made is put back as it was."""
         atexit.unregister(self.close)
+        if (self._previous_sigterm is not None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == self._on_sigterm):
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         self.group.close()
