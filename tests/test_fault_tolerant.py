@@ -215,6 +215,7 @@ def test_the_job_finishes_and_every_worker_ends_bitwise_equal(chaos):
     assert len({r["optimizer"] for r in results.values()}) == 1
     assert len({r["committed"] for r in results.values()}) == 1
     assert results[0]["committed"] >= 7 * 20 - 8  # a step lost to each failure at most
+    assert {r["schedule"] for r in results.values()} == {results[0]["committed"]}  # dropped steps do not move it
 
 
 def test_the_others_never_restart_and_their_step_never_goes_back(chaos):
@@ -426,3 +427,51 @@ def test_too_few_workers_past_the_quorum_timeout_is_named_and_a_process_without_
         assert honest.should_commit() and honest.committed_step == 3
     finally:
         honest.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_compiled_mixed_precision_step_commits_like_an_eager_one(lighthouse):
+    """td.function with bfloat16 autocast and a GradScaler (whose state ``track`` sends to a
+    worker that joins): the commit decision sits outside the compiled graph."""
+    ft = td.experimental.FaultTolerance(min_workers=1, timeout=5, quorum_timeout=10)
+    strategy = td.MultiWorkerMirroredStrategy(fault_tolerance=ft)
+    try:
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = torch.nn.Linear(4, 2)
+            optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        scaler = ft.track(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+        reference = torch.nn.Linear(4, 2)
+        reference.load_state_dict(model.state_dict())
+        reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+
+        def step(x, module=model, opt=optimizer):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(x).float().pow(2).sum() / 8
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        compiled = td.function(step)
+        batches = [torch.full((8, 4), float(k)) for k in range(1, 4)]
+        for x in strategy.experimental_distribute_dataset(batches):
+            strategy.run(compiled, args=(x,))
+        assert ft.committed_step == 3
+        eager_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for x in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = reference(x).float().pow(2).sum() / 8
+            eager_scaler.scale(loss).backward()
+            eager_scaler.step(reference_optimizer)
+            eager_scaler.update()
+            reference_optimizer.zero_grad()
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+        assert scaler.get_scale() == eager_scaler.get_scale()
+        with pytest.raises(td.InvalidArgumentError, match="state_dict"):
+            ft.track(object())
+    finally:
+        strategy.extended.fault_tolerance.close()

@@ -16,6 +16,7 @@ SEED = 7
 ROWS = 240
 GLOBAL_BATCH = 12  # 20 global batches per pass; 4 rows per worker with 3, 6 with 2
 LR = 0.01
+GAMMA = 0.99  # the custom loop's learning rate decays every committed step
 
 
 def make_model() -> torch.nn.Module:
@@ -64,6 +65,7 @@ def _replay(records: list[dict], fit: bool) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    schedule = None if fit else torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
     wanted = [position for record in records for read in record["reads"]
               if (position := _position(read)) is not None and read[0].startswith("fit/") == fit]
     assert len(wanted) == len(records), "one training batch per committed step"
@@ -81,4 +83,6 @@ def _replay(records: list[dict], fit: bool) -> torch.nn.Module:
         (F.cross_entropy(model(x), y, reduction="none").sum() / GLOBAL_BATCH).backward()
         optimizer.step()
         optimizer.zero_grad()
+        if schedule is not None:
+            schedule.step()
     return model

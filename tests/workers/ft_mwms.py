@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_distribute as td  # noqa: E402
-from workers.ft_common import GLOBAL_BATCH, SEED, digest, make_loader, make_model  # noqa: E402
+from workers.ft_common import GAMMA, GLOBAL_BATCH, LR, SEED, digest, make_loader, make_model  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +51,8 @@ def main() -> None:
     strategy = td.MultiWorkerMirroredStrategy(fault_tolerance=ft)
     with strategy.scope():
         model = make_model()
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
     dataset = strategy.experimental_distribute_dataset(make_loader())
 
     def train_step(x, y):
@@ -61,6 +62,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # lost in the middle of the step
         optimizer.step()
         optimizer.zero_grad()
+        schedule.step()  # not on a dropped step: the strategy skips it
         return loss
 
     step = td.function(train_step) if args.compiled else train_step
@@ -72,6 +74,7 @@ def main() -> None:
             time.sleep(args.step_sleep if live == 3 else 0.25)
     result = {"slot": slot, "pid": os.getpid(), "generation": generation, "committed": ft.committed_step,
               "params": digest(list(model.parameters())), "optimizer": digest(optimizer.state_dict()),
+              "schedule": schedule.state_dict()["last_epoch"],
               "values": [p.detach().reshape(-1).tolist() for p in model.parameters()]}
     print("FTRESULT " + json.dumps(result), flush=True)
 

@@ -134,6 +134,8 @@ def fit_loop(
     callback_list.on_train_begin()
     epoch_starting = (fit_in_fault_tolerant_job(ft, backup_callback, train, steps_per_epoch, fit_state)
                       if ft is not None else None)
+    if ft is not None:
+        _fit_optimizer_state(ft, model.optimizer)
     backup = _open_backup(model, strategy, backup_callback, train, fit_state, history, callback_list)
     if backup is not None and hasattr(train.source, "seed"):
         train.source.seed = fit_state.seed
@@ -171,6 +173,7 @@ def fit_loop(
     finally:
         if ft is not None:
             ft.unregister_state("fit")
+            ft.unregister_state("fit/loss_scale")
     if backup is not None:
         backup.finish()
     callback_list.on_train_end(logs)
@@ -212,6 +215,15 @@ def fit_in_fault_tolerant_job(ft: FaultTolerantTraining, backup_callback: Backup
 
     ft.register_state("fit", state, load)
     return epoch_starting
+
+
+def _fit_optimizer_state(ft: FaultTolerantTraining, optimizer: Any) -> None:
+    """A mixed-precision model's loss scale goes to a joining worker too (the inner
+    optimizer is the strategy's already)."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        ft.register_state("fit/loss_scale", lambda: optimizer.state_dict()["loss_scale"],
+                          lambda scale: optimizer.load_state_dict(
+                              {"optimizer": optimizer.inner_optimizer.state_dict(), "loss_scale": scale}))
 
 
 def _dataset_key(ft: FaultTolerantTraining | None, key: str) -> contextlib.AbstractContextManager[None]:

@@ -189,6 +189,11 @@ class StrategyExtended:
         # Every replica calls scheduler.step(); it must advance once per training step.
         return replica.merge_call(lambda _strategy: step(*args, **kwargs))
 
+    def scaler_update(self, scaler: Any, update: Callable[..., Any]) -> Any:
+        """``GradScaler.update()`` inside ``run`` with several replicas, once per step (in a
+        ``merge_call``); ``update(new_scale=...)`` takes torch's arguments. Here: as called."""
+        return update()
+
     # -- 3-4. values and reductions: every process calls them in the same order (they are
     #    collectives across workers); replica_* ones from inside merge_call -----------------
     def local_components(self, value: Any) -> list[torch.Tensor]:

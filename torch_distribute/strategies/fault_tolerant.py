@@ -155,6 +155,20 @@ class FaultTolerance:
         """Training steps the job has committed (a joining worker's count is the job's)."""
         return self._bound().group.committed_step
 
+    def track(self, obj: Any) -> Any:
+        """Send ``obj``'s state (its ``state_dict``/``load_state_dict``: a ``GradScaler``, an
+        EMA of the weights, a counter of your own) to a worker that joins, as the strategy
+        sends the modules, optimizers and schedulers made in its scope. Call it on every
+        worker, in the same order, before the first step. Returns ``obj``."""
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise InvalidArgumentError(f"FaultTolerance.track needs an object with {method}(); "
+                                           f"{type(obj).__name__} has none.")
+        training = self._bound()
+        training.register_state(f"tracked#{training.tracked}", obj.state_dict, obj.load_state_dict)
+        training.tracked += 1
+        return obj
+
     def epochs(self, num_epochs: int, initial_epoch: int = 0) -> Iterator[int]:
         """The epoch numbers from where the job is (``initial_epoch`` at its start) to
         ``num_epochs``: a worker that joins a running job starts its loop at the job's epoch.
@@ -186,6 +200,7 @@ class FaultTolerantTraining:
         self._next_key: str | None = None
         self._pending_positions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.tracked = 0  # objects registered by FaultTolerance.track
         self._pending_extra: dict[str, Any] = {}
         self._reads: list[tuple[str, int, int]] = []
         self._commits_in_step = 0

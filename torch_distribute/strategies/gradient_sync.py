@@ -212,6 +212,20 @@ class GradientSynchronizer:
             self._steps += 1
             self._reset_round()
 
+    def finish_alone(self) -> None:
+        """The only worker of the step (a fault-tolerant job down to one): the gradients are
+        their own sums already. Wait for what backward launched, and leave every ``.grad`` as
+        it is: a ``GradScaler`` or a clipping may have changed it in place since backward."""
+        with self._lock:
+            agreement, works = self._agreement, self._works
+        if agreement is not None:
+            self._group.finish_agreement(agreement)
+        for work in works:
+            self._group.wait("gradient all-reduce", work)
+        with self._lock:
+            self._steps += 1
+            self._reset_round()
+
     def _check_signatures(self, tails: list[list[float]]) -> None:
         """Every worker summed gradients of the same optimizer step and run, or all raise.
         ``tails``: each bucket's summed flags and signature. (Not when a fault-tolerant

@@ -144,7 +144,9 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         return {
             "tensors": [r.live_primary().detach() for r in self._state.records()],
             "optimizers": [o.state_dict() for o in _alive(self._optimizers)],
-            "schedulers": [s.state_dict() for s in _alive(self._schedulers)],
+            # A scheduler's state is its __dict__: without the step this strategy routes.
+            "schedulers": [{k: v for k, v in s.state_dict().items() if not callable(v)}
+                           for s in _alive(self._schedulers)],
         }
 
     def load_recovery_state(self, state: dict[str, Any]) -> None:
@@ -190,6 +192,13 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         if self._committed is False:
             return None  # the step was dropped: its schedule does not move either
         return super().scheduler_step(scheduler, step, args, kwargs)
+
+    def scaler_update(self, scaler: Any, update: Callable[..., Any]) -> Any:
+        if self._committed is False:
+            # The step was dropped: its inf/NaN findings (this worker's own sums) do not move
+            # the loss scale, which stays the same on every worker.
+            return update(new_scale=scaler.get_scale())
+        return super().scaler_update(scaler, update)
 
     def capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super().capture_optimizer(optimizer)
@@ -260,7 +269,10 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
             )
             self._synchronizers[optimizer] = synchronizer
             synchronizer.attach_hooks()
-        synchronizer.finish()
+        if self._ft is not None and self._group.world_size == 1:
+            synchronizer.finish_alone()
+        else:
+            synchronizer.finish()
 
     def _gather_nonfinite(self, local: list[tuple[int, float]]) -> list[list[tuple[int, float]]]:
         if self._group is None:

@@ -82,7 +82,8 @@ PATCHES: tuple[Change, ...] = (
            "torch has no hook that fires when a scheduler is constructed", _STRATEGY, _LAST_STRATEGY,
            _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)"),
     *(Change(f"torch.amp.GradScaler.{name}", "wrapped: inside run with several replicas it runs once, "
-             "in a merge_call, after extended.apply_to_global_gradients",
+             "in a merge_call, after extended.apply_to_global_gradients (update: through "
+             "extended.scaler_update, which keeps the scale of a step a fault-tolerant job dropped)",
              f"GradScaler.{name} {_ACROSS_REPLICAS} (one scale, one decision to skip)", _STRATEGY,
              _LAST_STRATEGY, _INTERCEPTION, f"torch.amp.GradScaler.{name}", signature)
       for name, signature in (("unscale_", "(self, optimizer)"), ("step", "(self, optimizer, *args, **kwargs)"),
