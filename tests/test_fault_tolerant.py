@@ -181,8 +181,9 @@ def chaos(tmp_path_factory):
     rng = random.Random(seed)
     killed_self, killed, stopped = rng.sample(range(3), 3)
     preempted = rng.randrange(3)
-    job = _Job([WORKER, "--epochs", "7", "--timeout", str(TIMEOUT)], tmp_path_factory.mktemp("ft_log"),
-               FT_SELF_KILL=f"{killed_self}:{rng.randint(3, 10)}")
+    checkpoints = tmp_path_factory.mktemp("ft_checkpoints")
+    job = _Job([WORKER, "--epochs", "7", "--timeout", str(TIMEOUT), "--checkpoints", str(checkpoints)],
+               tmp_path_factory.mktemp("ft_log"), FT_SELF_KILL=f"{killed_self}:{rng.randint(3, 10)}")
     events: list[dict] = []
     try:
         job.wait_for(lambda: len([s for s in job.starts() if s[0] == killed_self]) == 2, "the self-killed one's replacement")
@@ -191,7 +192,8 @@ def chaos(tmp_path_factory):
             events.append(job.lose(kind, slot, rng))
     finally:
         results = job.end()
-    return {"job": job, "events": events, "results": results, "log_dir": job.log_dir, "seed": seed}
+    return {"job": job, "events": events, "results": results, "log_dir": job.log_dir, "seed": seed,
+            "checkpoints": checkpoints}
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +240,20 @@ def test_the_others_never_restart_and_their_step_never_goes_back(chaos):
 
 def test_a_one_process_replay_of_the_committed_log_gives_the_same_parameters(chaos):
     _check_replay(chaos, fit=False)
+
+
+def test_the_collective_saves_hold_the_job_s_state(chaos):
+    from workers.ft_common import make_model
+
+    latest = td.latest_checkpoint(str(chaos["checkpoints"]))
+    committed = chaos["results"][0]["committed"]
+    assert latest is not None and latest.endswith(f"-{committed}")  # the last epoch's save, by the job's step
+    model = make_model()
+    td.Checkpoint(model=model).read(latest)
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    expected = torch.tensor([v for values in chaos["results"][0]["values"] for v in values])
+    assert torch.equal(got, expected)
+    assert len([name for name in os.listdir(chaos["checkpoints"]) if name.startswith("ckpt-")]) <= 2 * 2
 
 
 def test_fit_survives_a_lost_worker_like_a_custom_loop(fit_job):

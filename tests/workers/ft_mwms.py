@@ -8,6 +8,9 @@ through ``ft.epochs``. Prints, for the test to follow and to act on:
     FTSTEP <slot> <pid> <committed step> <live workers> <epoch>     (after every step)
     FTRESULT {...}                                                  (at the end)
 
+Every epoch ends with a collective save (``CheckpointManager.save``, numbered by the committed
+step) into ``--checkpoints``.
+
 ``FT_SELF_KILL=<slot>:<step>``: the first process of that slot kills itself (SIGKILL) inside
 the step after committed step ``<step>``, between its backward and its optimizer step, while
 the others are in the gradient all-reduce. While fewer than 3 workers are live each step
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--checkpoints", required=True)
     args = parser.parse_args()
     slot = int(os.environ["RANK"])
     generation = int(os.environ.get("TD_RESTART_COUNT", "0"))
@@ -54,6 +58,9 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=GAMMA)
     dataset = strategy.experimental_distribute_dataset(make_loader())
+    # Collective saves over the workers of the moment, numbered by the job's committed step
+    # (the same on a worker that joined), into one directory every worker sees.
+    manager = td.CheckpointManager(td.Checkpoint(model=model, optimizer=optimizer), args.checkpoints, max_to_keep=2)
 
     def train_step(x, y):
         loss = td.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"), global_batch_size=GLOBAL_BATCH)
@@ -72,6 +79,7 @@ def main() -> None:
             live = strategy.num_replicas_in_sync
             print(f"FTSTEP {slot} {os.getpid()} {ft.committed_step} {live} {epoch}", flush=True)
             time.sleep(args.step_sleep if live == 3 else 0.25)
+        manager.save(checkpoint_number=ft.committed_step)
     result = {"slot": slot, "pid": os.getpid(), "generation": generation, "committed": ft.committed_step,
               "params": digest(list(model.parameters())), "optimizer": digest(optimizer.state_dict()),
               "schedule": schedule.state_dict()["last_epoch"],
