@@ -208,6 +208,7 @@ class FaultTolerantTraining:
         self._loop_used = False
         self._joined: dict[str, Any] | None = None  # what a heal brought, checked after the quorum
         self._preempted = False
+        self._in_quorum = False
         self._announced_join = False
         log_dir = options.log_dir or os.environ.get(ENV_LOG_DIR) or None
         self._log = CommittedStepLog(log_dir, slot) if log_dir else None
@@ -237,7 +238,11 @@ class FaultTolerantTraining:
             self._leave()
         group = self.group
         if not group.step_open or (reading and group.step_failed):
-            group.begin_step()
+            self._in_quorum = True
+            try:
+                group.begin_step()
+            finally:
+                self._in_quorum = False
             if not self._announced_join:
                 self._announce_join()
             self._reads = []
@@ -387,6 +392,8 @@ class FaultTolerantTraining:
     # -- leaving -------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._preempted = True
+        if self._in_quorum:  # waiting for a quorum (for replacements, say): nothing to finish
+            self._leave()
 
     def _leave(self) -> None:
         _log.warning("worker %d was asked to stop (SIGTERM): leaving the job at the step boundary; the "
