@@ -491,3 +491,34 @@ def test_a_compiled_mixed_precision_step_commits_like_an_eager_one(lighthouse):
             ft.track(object())
     finally:
         strategy.extended.fault_tolerance.close()
+
+
+def test_the_launcher_replaces_a_lost_worker_alone_and_ends_the_job_on_a_bug(tmp_path):
+    """``run_replacing`` with tasks that need no torch: a worker killed by a signal (or that
+    left with 143) is started again alone; one that fails otherwise ends the job."""
+    from torch_distribute.cluster.supervisor import ProcessSupervisor, TaskSpec
+
+    script = ("import os, signal, sys, time; index, generation = int(sys.argv[1]), int(sys.argv[2]); "
+              "os.kill(os.getpid(), signal.SIGKILL) if (index, generation) == (1, 0) else None; "
+              "sys.exit(143) if (index, generation) == (2, 0) else time.sleep(2); "
+              "sys.exit(int(sys.argv[3]))")
+
+    def run(code: int) -> tuple[int, str]:
+        out = io.StringIO()
+        supervisor = ProcessSupervisor(stdout=out, stderr=out, grace_period=1, start_method="fresh")
+
+        def task(index: int, generation: int) -> TaskSpec:
+            return TaskSpec(f"worker rank {index}", f"[rank {index}] ",
+                            [sys.executable, "-c", script, str(index), str(generation), str(code)],
+                            {**os.environ, "JOINED": str(tmp_path / f"{index}-{generation}")})
+
+        result = supervisor.run_replacing(task, 3, lost=lambda c: c < 0 or c == 143,
+                                          joined=lambda spec: True, timeout=60)
+        return result, out.getvalue()
+
+    code, text = run(0)
+    assert code == 0, text
+    assert "worker rank 1" in text and "killed by signal SIGKILL; starting a replacement (1)" in text
+    assert "worker rank 2" in text and "exit code 143; starting a replacement (2)" in text
+    code, text = run(1)
+    assert code == 1 and "failed with exit code 1" in text

@@ -92,9 +92,14 @@ def require_torchft() -> None:
     if importlib.util.find_spec("torchft") is None:
         raise FaultToleranceError(
             "Per-step fault tolerance (td.experimental.FaultTolerance) runs on torchft, which is not "
-            "installed: pip install 'torch-distribute[ft]' (torchft needs torch>=2.7), or leave "
+            "installed: pip install 'torch-distribute[ft]' (torchft 0.2 needs torch>=2.7 and has wheels for "
+            "CPython 3.11 on Linux x86-64), or leave "
             "fault_tolerance out to restart the whole job from a checkpoint after a failure "
             "(td.BackupAndRestore).")
+    if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 7):
+        raise FaultToleranceError(
+            f"Per-step fault tolerance runs on torchft, which needs torch>=2.7; this is torch "
+            f"{torch.__version__}. Upgrade torch, or leave fault_tolerance out.")
     os.environ.setdefault("RUST_LOG", "error")
     for name in _TORCHFT_LOGGERS:
         logger = logging.getLogger(name)
