@@ -324,7 +324,7 @@ def test_a_global_batch_is_cut_over_the_steps_workers_and_a_pass_resumes_where_a
     membership.pop(0)
     assert next(reads)[0].shape[0] == 1  # rank 2's one row of the second batch
     position = source.position()
-    assert (position["pass"], position["batch"]) == (0, 2)
+    assert (position["passes"], position["batch"], position["new_pass"]) == (1, 2, False)
     # A worker that joins now: its pass restarts from the same random state, at batch 2.
     membership.pop(0)
     expected = next(reads)[0]
@@ -333,6 +333,19 @@ def test_a_global_batch_is_cut_over_the_steps_workers_and_a_pass_resumes_where_a
                              begin_step=lambda: (2, 1))
     joined.resume_at(position, {**position["rng"], "generators": []})
     assert torch.equal(next(iter(joined))[0], expected)
+    # A peer whose next read starts a new pass: the joining one starts it from the same state.
+    for _ in reads:  # the rest of the pass
+        pass
+    iter(source)
+    waiting = source.position()
+    assert waiting["new_pass"] and waiting["passes"] == 1
+    again = LiveSplitSource(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=5,
+                                                        shuffle=True, generator=torch.Generator().manual_seed(9)),
+                            begin_step=lambda: (1, 0))
+    again.resume_at(waiting, waiting["rng"])
+    membership[:] = [(1, 0)]
+    assert torch.equal(next(iter(again))[0], next(iter(source))[0])
+    assert source.position()["passes"] == again.position()["passes"] == 2
 
 
 def test_the_log_merges_workers_and_keeps_the_surviving_history(tmp_path):

@@ -6,7 +6,7 @@ before the Gloo group is made the members run this job's challenge and response 
 that store (``job_auth.authenticate``: rank 0 checks every other rank's HMAC of its
 challenge, and answers each rank's own nonce, so both sides are proven). A member without
 the secret makes the configuration fail on every member (``JobAuthenticationError``, logged
-on ``torch_distribute.security``): no Gloo link to it is opened, so no gradient and no
+on ``torch_distribute.security``; torchft then drops the step): no Gloo link to it is opened, so no gradient and no
 recovered state (torchft's ``PGTransport`` sends state over this group) ever reaches it.
 
 torchft is imported by ``authenticated_gloo()``, not by importing this module (importing it
@@ -23,7 +23,6 @@ import functools
 from typing import Any
 
 from torch_distribute.collectives import job_auth
-from torch_distribute.errors import JobAuthenticationError
 
 __all__ = ["authenticated_gloo"]
 
@@ -33,9 +32,8 @@ def authenticated_gloo(secret: bytes | None, timeout: datetime.timedelta) -> Any
 
     ``secret`` None: the job runs unauthenticated (``job_secret.required_secret`` decided
     so and warned); the proof is skipped by every member alike. The group also records the
-    quorum it was last made for (``quorum_id``), its members' worker slots in rank order
-    (``members``) and how many configurations in a row were refused at the proof
-    (``authentication_failures``).
+    quorum it was last made for (``quorum_id``) and its members' worker slots in rank order
+    (``members``).
     """
     return _group_class()(secret, timeout)
 
@@ -48,7 +46,6 @@ def _group_class() -> type:
         def __init__(self, secret: bytes | None, timeout: datetime.timedelta) -> None:
             super().__init__(timeout=timeout)
             self._secret = secret
-            self.authentication_failures = 0
             self.quorum_id = -1
             self.members: tuple[int, ...] = ()
 
@@ -61,13 +58,8 @@ def _group_class() -> type:
                               group_world_size, global_ranks)
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-            try:
-                job_auth.authenticate(store, rank, world_size, self._secret,
-                                      "the fault-tolerant quorum's store", self._timeout.total_seconds())
-            except JobAuthenticationError:
-                self.authentication_failures += 1
-                raise
-            self.authentication_failures = 0
+            job_auth.authenticate(store, rank, world_size, self._secret,
+                                  "the fault-tolerant quorum's store", self._timeout.total_seconds())
             return super()._create_pg(store, rank, world_size)
 
     return AuthenticatedGloo

@@ -216,11 +216,6 @@ class FaultTolerantGroup:
         """Whether a collective of this step failed (nothing of it will be committed)."""
         return self._failure is not None or self._manager.errored() is not None
 
-    @property
-    def authentication_failures(self) -> int:
-        """Consecutive quorums whose process group was refused at the secret proof."""
-        return int(self._pg.authentication_failures)
-
     def begin_step(self) -> None:
         """Make this step's quorum (healing this worker first if it is behind).
 

@@ -205,7 +205,9 @@ class FaultTolerantTraining:
         self._reads: list[tuple[str, int, int]] = []
         self._commits_in_step = 0
         self.loop_epoch = 0
-        self._loop_used = False
+        self._loop_used = False  # ft.epochs was used (by this worker, or by its source when it joined)
+        self._in_loop = False  # inside ft.epochs now
+        self._joined_in_loop: int | None = None  # the epoch a heal brought, from a source inside its loop
         self._joined: dict[str, Any] | None = None  # what a heal brought, checked after the quorum
         self._preempted = False
         self._in_quorum = False
@@ -324,17 +326,20 @@ class FaultTolerantTraining:
     # -- the loop ------------------------------------------------------------------------
     def epochs(self, num_epochs: int, initial_epoch: int = 0) -> Iterator[int]:
         """``FaultTolerance.epochs``: from the job's epoch (``initial_epoch`` at its start)."""
-        if not self._loop_used:
-            self._loop_used = True
-            if self.group.committed_step == 0 and self._joined is None:
-                self.loop_epoch = initial_epoch
+        self._loop_used = True
+        self._joined_in_loop = None
         self.begin_step()  # a joining worker learns the job's epoch here
-        epoch = self.loop_epoch
-        while epoch < num_epochs:
+        joined, self._joined_in_loop = self._joined_in_loop, None
+        epoch = joined if joined is not None else initial_epoch
+        self._in_loop = True
+        try:
+            while epoch < num_epochs:
+                self.loop_epoch = epoch
+                yield epoch
+                epoch = self.loop_epoch + 1  # a heal inside the epoch may have moved it on
             self.loop_epoch = epoch
-            yield epoch
-            epoch = self.loop_epoch + 1
-        self.loop_epoch = epoch
+        finally:
+            self._in_loop = False
 
     # -- what a joining worker receives -------------------------------------------------
     def _state_dict(self) -> dict[str, Any]:
@@ -343,7 +348,7 @@ class FaultTolerantTraining:
             "strategy": self._state.recovery_state(),
             "rng": capture_rng([]),
             "sources": {key: source.position() for key, source in sources.items() if source is not None},
-            "loop": {"used": self._loop_used, "epoch": self.loop_epoch},
+            "loop": {"used": self._loop_used, "inside": self._in_loop, "epoch": self.loop_epoch},
             "extra": {name: state_dict() for name, (state_dict, _) in self._extra.items()},
         }
 
@@ -362,7 +367,9 @@ class FaultTolerantTraining:
                 self._extra[name][1](value)
             else:
                 self._pending_extra[name] = value
-        self.loop_epoch = int(state["loop"]["epoch"])
+        if state["loop"]["inside"]:
+            self.loop_epoch = int(state["loop"]["epoch"])
+            self._joined_in_loop = self.loop_epoch
         self._joined = state
 
     def _check_joined(self) -> None:
@@ -371,8 +378,8 @@ class FaultTolerantTraining:
         assert joined is not None
         if self.group.committed_step == 0:
             return  # the start of the job: every worker takes the first one's state
-        resumed_passes = [p.get("pass", 0) for p in joined["sources"].values() if p.get("started")]
-        if not self._loop_used and (joined["loop"]["used"] or any(resumed_passes)):
+        passes = [p["passes"] for p in joined["sources"].values()]
+        if not self._loop_used and (joined["loop"]["used"] or any(n > 1 for n in passes)):
             raise FaultToleranceError(
                 f"Worker {self.slot} joined the job at committed step {self.group.committed_step}, in epoch "
                 f"{joined['loop']['epoch']}, but its training loop starts at the beginning: write the epoch "

@@ -8,11 +8,12 @@ dataset (with ``num_workers=1``: the rows it yields are already this worker's). 
 workers (``batch_sizes_for_worker``, as the DATA policy cuts them): every row of every global
 batch is trained, once, whoever is live.
 
-The source also knows where it is: the ``passes``-th pass over the dataset (0 for the first)
-and the ``batch``-th global batch of it. A worker that joins a running job gets both from a
-peer (``position``/``resume_at``), with the random state the pass started from, and its next
-``next()`` starts that pass again from the same random state, reads past the ``batch``
-global batches already trained on, and goes on in step with the others.
+The source also knows where it is: how many passes over the dataset it started, how many
+global batches of the last one it handed out, and whether its next read starts a new pass. A
+worker that joins a running job gets that from a peer (``position``/``resume_at``), with the
+random state the pass started from, and its next ``next()`` makes that pass again from the
+same random state and reads past the batches already trained on (or starts the new pass
+from the peer's state), then goes on in step with the others.
 
 >>> import torch
 >>> source = LiveSplitSource([torch.arange(6).view(6, 1)], begin_step=lambda: (2, 1))
@@ -68,9 +69,10 @@ class LiveSplitSource:
 
     # -- where it is ---------------------------------------------------------------------
     def position(self) -> dict[str, Any]:
-        """The current pass and batch, the random state the pass started from and the
-        dataset's generators' states now."""
-        return {"pass": max(0, self._passes - 1), "batch": self._batch, "started": self._passes > 0,
+        """Passes started, global batches handed out in the last one, whether the next read
+        starts a new pass (``iter()`` was called since), the random state the last pass
+        started from, and the dataset's generators' states now."""
+        return {"passes": self._passes, "batch": self._batch, "new_pass": self._iterator is None,
                 "rng": self._pass_start_rng, "generators": [g.get_state() for g in self.generators()]}
 
     def resume_at(self, position: dict[str, Any], current_rng: dict[str, Any]) -> None:
@@ -82,20 +84,23 @@ class LiveSplitSource:
     def _start_pass(self) -> None:
         resume, self._resume = self._resume, None
         generators = self.generators()
-        if resume is not None and resume["started"]:
-            if resume["rng"] is not None:
-                restore_rng(resume["rng"], generators)
-            self._pass_start_rng = resume["rng"]
-            self._iterator = iter(self.source)
-            for _ in range(resume["batch"]):
-                next(self._iterator)
-            restore_rng(resume["current"], [])
-            for generator, state in zip(generators, resume["generators"], strict=False):
-                generator.set_state(state)
-            self._passes, self._batch = resume["pass"] + 1, resume["batch"]
-            return
-        if resume is not None:  # the peer had not started this dataset yet
-            self._passes = 0
+        if resume is not None:
+            self._passes = resume["passes"]
+            if not resume["new_pass"] and self._passes > 0:
+                # In the middle of a pass: make it again from the random state it started
+                # from, read past the batches handed out, then take the peer's state now.
+                if resume["rng"] is not None:
+                    restore_rng(resume["rng"], generators)
+                self._pass_start_rng = resume["rng"]
+                self._iterator = iter(self.source)
+                for _ in range(resume["batch"]):
+                    next(self._iterator)
+                restore_rng(resume["current"], [])
+                _set_states(generators, resume["generators"])
+                self._batch = resume["batch"]
+                return
+            # The peer's next read starts a new pass, from the state it is in now.
+            _set_states(generators, resume["generators"])
         self._pass_start_rng = capture_rng(generators)
         self._iterator = iter(self.source)
         self._passes += 1
@@ -116,6 +121,11 @@ class LiveSplitSource:
         sizes = batch_sizes_for_worker(rows, world_size, 1, 0)
         start = sum(sizes[:rank])
         return split_batch(batch, [start, sizes[rank], rows - start - sizes[rank]])[1]
+
+
+def _set_states(generators: list[Any], states: list[Any]) -> None:
+    for generator, state in zip(generators, states, strict=False):
+        generator.set_state(state)
 
 
 class _Reads:
