@@ -135,6 +135,8 @@ class _Job:
         process, then wait until all 3 are live again; what happened, for the asserts."""
         self.wait_for(self.all_live, f"all 3 live before the {kind}")
         target = self.committed() + rng.randint(2, 8)
+        if kind == "stop":  # early in an epoch: continued, it finds the job in the same epoch
+            target += (20 - target % 20) % 20 + rng.randint(1, 4)
         self.wait_for(lambda: self.committed() >= target, f"step {target}")
         before = {s: self.pid(s) for s in range(3)}
         at = self.committed()

@@ -174,6 +174,7 @@ def fit_loop(
         if ft is not None:
             ft.unregister_state("fit")
             ft.unregister_state("fit/loss_scale")
+            ft.resumes_inside_epoch = True
     if backup is not None:
         backup.finish()
     callback_list.on_train_end(logs)
@@ -214,6 +215,7 @@ def fit_in_fault_tolerant_job(ft: FaultTolerantTraining, backup_callback: Backup
             generator.set_state(generator_state)
 
     ft.register_state("fit", state, load)
+    ft.resumes_inside_epoch = False  # an epoch's batches are made once (a one-shot stream)
     return epoch_starting
 
 

@@ -209,6 +209,10 @@ class FaultTolerantTraining:
         self._in_loop = False  # inside ft.epochs now
         self._joined_in_loop: int | None = None  # the epoch a heal brought, from a source inside its loop
         self._joined: dict[str, Any] | None = None  # what a heal brought, checked after the quorum
+        # Whether a heal in the middle of an epoch can resume this worker's batches there:
+        # a custom loop's datasets can be iterated again; fit's epoch data cannot (fit says so).
+        self.resumes_inside_epoch = True
+        self._rejoin = False  # healed inside its loop where it cannot go on: leave, to join anew
         self._preempted = False
         self._in_quorum = False
         self._announced_join = False
@@ -245,6 +249,9 @@ class FaultTolerantTraining:
                 group.begin_step()
             finally:
                 self._in_quorum = False
+            if self._rejoin:
+                self._leave("it was behind the job by more than it can resume inside its loop (continued after "
+                            "a stop?): it leaves, and its replacement joins at the start of its loop")
             if not self._announced_join:
                 self._announce_join()
             self._reads = []
@@ -368,8 +375,10 @@ class FaultTolerantTraining:
             else:
                 self._pending_extra[name] = value
         if state["loop"]["inside"]:
-            self.loop_epoch = int(state["loop"]["epoch"])
-            self._joined_in_loop = self.loop_epoch
+            epoch = int(state["loop"]["epoch"])
+            self._rejoin = self._in_loop and (epoch != self.loop_epoch or not self.resumes_inside_epoch)
+            self.loop_epoch = epoch
+            self._joined_in_loop = epoch
         self._joined = state
 
     def _check_joined(self) -> None:
@@ -402,9 +411,9 @@ class FaultTolerantTraining:
         if self._in_quorum:  # waiting for a quorum (for replacements, say): nothing to finish
             self._leave()
 
-    def _leave(self) -> None:
-        _log.warning("worker %d was asked to stop (SIGTERM): leaving the job at the step boundary; the "
-                     "others go on", self.slot)
+    def _leave(self, why: str = "it was asked to stop (SIGTERM)") -> None:
+        """Leave the job at a step boundary with status 143: the launcher starts a replacement."""
+        _log.warning("worker %d leaves the job at a step boundary, the others go on: %s", self.slot, why)
         self.close()
         raise SystemExit(LEFT_FOR_PREEMPTION)
 

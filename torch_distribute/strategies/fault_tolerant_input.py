@@ -3,9 +3,9 @@
 Under per-step fault tolerance the workers of a step are known only once its quorum is made,
 so a fault-tolerant strategy hands ``DistributedDataset`` this source instead of the user's
 dataset (with ``num_workers=1``: the rows it yields are already this worker's). Every
-``next()`` first makes sure the step's quorum exists (``begin_step``), then reads the next
-*global* batch and keeps the rows of this worker's rank among the step's ``world_size``
-workers (``batch_sizes_for_worker``, as the DATA policy cuts them): every row of every global
+``next()`` reads the next *global* batch, makes sure the step's quorum exists
+(``begin_step``; the end of a pass makes none) and keeps the rows of this worker's rank
+among the step's ``world_size`` workers (``batch_sizes_for_worker``, as the DATA policy cuts them): every row of every global
 batch is trained, once, whoever is live.
 
 The source also knows where it is: how many passes over the dataset it started, how many
@@ -95,8 +95,7 @@ class LiveSplitSource:
                 self._iterator = iter(self.source)
                 for _ in range(resume["batch"]):
                     next(self._iterator)
-                restore_rng(resume["current"], [])
-                _set_states(generators, resume["generators"])
+                restore_rng(resume["current"], [])  # what the peer's program drew since
                 self._batch = resume["batch"]
                 return
             # The peer's next read starts a new pass, from the state it is in now.
@@ -107,12 +106,24 @@ class LiveSplitSource:
         self._batch = 0
 
     def read(self) -> Any:
-        """This worker's rows of the next global batch (after the step's quorum)."""
+        """This worker's rows of the next global batch, cut by the workers of its step.
+
+        The global batch is read before the step's quorum, so the end of a pass makes none
+        (every worker finds it at the same read). A worker healed in that quorum reads
+        again, from where the job is.
+        """
+        batch = None
+        if self._resume is None:
+            if self._iterator is None:
+                self._start_pass()
+            assert self._iterator is not None
+            batch = next(self._iterator)
         world_size, rank = self._begin_step()
-        if self._iterator is None or self._resume is not None:
+        if self._resume is not None:
             self._start_pass()
-        assert self._iterator is not None
-        batch = to_tensors(next(self._iterator))
+            assert self._iterator is not None
+            batch = next(self._iterator)
+        batch = to_tensors(batch)
         index = self._batch
         self._batch += 1
         if self._on_read is not None:

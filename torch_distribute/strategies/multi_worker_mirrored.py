@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torch_distribute import context
 from torch_distribute.cluster import ClusterResolver
 from torch_distribute.collectives.communication import CommunicationOptions
 from torch_distribute.collectives.fault_tolerant_group import FaultTolerantGroup
@@ -189,8 +190,8 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
                 buffer.copy_(before)
 
     def scheduler_step(self, scheduler: Any, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self._committed is False:
-            return None  # the step was dropped: its schedule does not move either
+        if self._committed is False and context.get_replica_context() is not None:
+            return None  # inside the step that was dropped: its schedule does not move either
         return super().scheduler_step(scheduler, step, args, kwargs)
 
     def scaler_update(self, scaler: Any, update: Callable[..., Any]) -> Any:
@@ -208,7 +209,7 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         super().capture_scheduler(scheduler)
         self._schedulers.append(weakref.ref(scheduler))
 
-    def distribute_dataset(self, dataset: Iterable[Any], options: InputOptions | None) -> DistributedDataset | None:
+    def live_dataset(self, dataset: Iterable[Any], options: InputOptions | None) -> DistributedDataset | None:
         """Under fault tolerance: ``dataset`` cut at every step by its live workers (else None:
         the strategy's usual distributed dataset)."""
         if self._ft is None:
@@ -325,7 +326,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         tolerance: across the workers of each step, ``fault_tolerant_data.py``)."""
         extended = self.extended
         assert isinstance(extended, MultiWorkerMirroredExtended)
-        live = extended.distribute_dataset(dataset, options)
+        live = extended.live_dataset(dataset, options)
         return live if live is not None else super().experimental_distribute_dataset(dataset, options)
 
     distribute_dataset = experimental_distribute_dataset
