@@ -24,6 +24,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -274,7 +275,10 @@ def _check_replay(job: dict, fit: bool) -> None:
     records = td.experimental.read_committed_steps(job["log_dir"])
     results = job["results"]
     assert len(records) == results[0]["committed"]
-    assert {len(r["workers"]) for r in records} == {2, 3}
+    sizes = {len(r["workers"]) for r in records}
+    assert 3 in sizes and sizes <= {2, 3}
+    if not fit:  # the stopped worker's absence leaves steps of 2 (under fit, one kill may leave none)
+        assert 2 in sizes
     model = replay(records, fit=fit)
     expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     got = torch.tensor([v for values in results[0]["values"] for v in values])
@@ -533,7 +537,8 @@ def test_the_launcher_replaces_a_lost_worker_alone_and_ends_the_job_on_a_bug(tmp
 
     code, text = run(0)
     assert code == 0, text
-    assert "worker rank 1" in text and "killed by signal SIGKILL; starting a replacement (1)" in text
-    assert "worker rank 2" in text and "exit code 143; starting a replacement (2)" in text
+    assert re.search(r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL; starting a replacement", text), text
+    assert re.search(r"worker rank 2 \(pid \d+\) failed with exit code 143; starting a replacement", text), text
+    assert "worker rank 0 (pid" not in text  # never replaced
     code, text = run(1)
     assert code == 1 and "failed with exit code 1" in text
