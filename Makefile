@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml
 	# instead of pip's 38 on the 2-core CI machine. Byte-compiled, as pip would: the tests set
 	# PYTHONDONTWRITEBYTECODE, and their hundreds of processes would each compile them again.
 	# uv does not read pip's configuration: behind a private index, set UV_INDEX_URL too.
-	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e ".[test,examples,docs]"
+	# ft: torchft (per-step fault tolerance), which needs torch>=2.7: leave it out of a setup
+	# that tests an older torch.
+	$(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode -e ".[test,examples,docs,ft]"
 	@$(PY) -c "import torch; print('installed torch', torch.__version__, '(' + ('CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU-only') + ' build)')"
 	touch $(STAMP)
 

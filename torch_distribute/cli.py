@@ -6,6 +6,7 @@ of a training script, and convert checkpoints.
     torch-distribute launch --nproc 2 train.py --epochs 3   # local workers, see `launch -h`
     torch-distribute checkpoint convert ckpt-3 model.pt     # a sharded checkpoint as one file
     torch-distribute preload    # import torch once for the launches of a shell (see `preload -h`)
+    torch-distribute lighthouse --min-workers 2   # the quorum server of a fault-tolerant job
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _launch(args: argparse.Namespace) -> int:
     from torch_distribute.cluster.launcher import main as launch_main
 
     return launch_main(args.launch_args)
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from torch_distribute.cluster.lighthouse import main as lighthouse_main
+
+    return lighthouse_main(args.lighthouse_args)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -90,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "launch":  # everything after `launch` belongs to the launcher
         return _launch(argparse.Namespace(launch_args=argv[1:]))
+    if argv and argv[0] == "lighthouse":  # so is everything after `lighthouse`
+        return _lighthouse(argparse.Namespace(lighthouse_args=argv[1:]))
     from torch_distribute import __version__
 
     parser = argparse.ArgumentParser(
@@ -130,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     launch.add_argument("launch_args", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)
+    lighthouse = commands.add_parser(
+        "lighthouse", help="run the quorum server of a fault-tolerant job (`lighthouse -h` for its options)",
+        add_help=False,
+    )
+    lighthouse.add_argument("lighthouse_args", nargs=argparse.REMAINDER)
+    lighthouse.set_defaults(run=_lighthouse)
     commands.add_parser(
         "preload", help="import torch once for many launches (prints the variables to export)",
         description="Start an interpreter that imports torch once, print the variables that make "

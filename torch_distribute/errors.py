@@ -87,6 +87,18 @@ class PeerProgramError(WorkerUnavailableError):
         self.errors = dict(errors or {})
 
 
+class NotEnoughWorkersError(WorkerUnavailableError):
+    """A fault-tolerant job (``td.experimental.FaultTolerance``) had fewer live workers than
+    its ``min_workers`` for longer than its ``quorum_timeout``: start replacements sooner, or
+    lower ``min_workers``."""
+
+
+class FaultToleranceError(DistributeError, RuntimeError):
+    """Per-step fault tolerance asked for where it cannot work: torchft is not installed, a
+    setting disagrees with the launcher's, or a worker that joined a running job has a
+    training loop that cannot resume where the job is (the message says what to change)."""
+
+
 class ClusterConfigError(DistributeError, ValueError):
     """A cluster description (``TF_CONFIG``, torchrun or SLURM environment) that is invalid."""
 

@@ -1,4 +1,5 @@
-"""``td.experimental``: TensorFlow's ``tf.distribute.experimental`` names kept for porting.
+"""``td.experimental``: TensorFlow's ``tf.distribute.experimental`` names kept for porting, and
+per-step fault tolerance (``FaultTolerance``, on torchft) with its committed-step log.
 
 TensorFlow's guides still write several strategies and options under ``experimental``
 (``tf.distribute.experimental.CentralStorageStrategy()``,
@@ -13,6 +14,8 @@ same objects as their stable names, so a mechanical port runs as it is.
 True
 >>> td.experimental.coordinator.ClusterCoordinator is td.coordinator.ClusterCoordinator
 True
+>>> td.experimental.FaultTolerance.__name__
+'FaultTolerance'
 """
 
 from torch_distribute import coordinator, partitioners
@@ -27,6 +30,8 @@ from torch_distribute.strategies import (
     MultiWorkerMirroredStrategy,
     ParameterServerStrategy,
 )
+from torch_distribute.strategies.committed_steps import read_committed_steps
+from torch_distribute.strategies.fault_tolerant import FaultTolerance
 
 CollectiveCommunication = CommunicationImplementation  # TensorFlow's older name of the same enum
 
@@ -35,6 +40,7 @@ __all__ = [
     "CollectiveCommunication",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "FaultTolerance",
     "MultiWorkerMirroredStrategy",
     "ParameterServerStrategy",
     "PreemptionCheckpointHandler",
@@ -42,4 +48,5 @@ __all__ = [
     "ValueContext",
     "coordinator",
     "partitioners",
+    "read_committed_steps",
 ]

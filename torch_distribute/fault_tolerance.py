@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import sys
 import threading
@@ -36,7 +35,6 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from torch_distribute.checkpoint import (
@@ -48,6 +46,7 @@ from torch_distribute.checkpoint import (
 from torch_distribute.checkpoint.collective import num_workers
 from torch_distribute.checkpoint.file_io import remove_checkpoint
 from torch_distribute.errors import InvalidArgumentError
+from torch_distribute.strategies.random_state import capture_rng, find_generators, restore_rng
 
 if TYPE_CHECKING:
     from torch_distribute.strategies import Strategy
@@ -171,20 +170,20 @@ class BackupAndRestore:
 
     def steps(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """The batches of one epoch, skipping those already trained on before a restart."""
-        generators = self._generators + _find_generators(iterable)
+        generators = self._generators + find_generators(iterable)
         self._active_generators = generators
         resuming = self._resume_step
         self._resume_step = 0
         if resuming and self._position.epoch_start_rng is not None:
-            _set_rng(self._mine(self._position.epoch_start_rng), generators)
+            restore_rng(self._mine(self._position.epoch_start_rng), generators)
         elif self._position.current_rng is not None and self.restored_from is not None:
-            _set_rng(self._mine(self._position.current_rng), generators)
-        self._epoch_start_rng = _get_rng(generators)
+            restore_rng(self._mine(self._position.current_rng), generators)
+        self._epoch_start_rng = capture_rng(generators)
         iterator = iter(iterable)
         for _ in range(resuming):
             next(iterator)
         if resuming and self._position.current_rng is not None:
-            _set_rng(self._mine(self._position.current_rng), generators)
+            restore_rng(self._mine(self._position.current_rng), generators)
         self.restored_from = None
         for batch in iterator:
             yield batch
@@ -220,7 +219,7 @@ class BackupAndRestore:
 
     # -- saving -------------------------------------------------------------------------------
     def _save(self) -> str:
-        states = (self._epoch_start_rng, _get_rng(self._active_generators))
+        states = (self._epoch_start_rng, capture_rng(self._active_generators))
         every_worker = self._strategy.extended.all_gather_objects(states, what="backup")
         self._position.epoch_start_rng = [start for start, _ in every_worker]
         self._position.current_rng = [current for _, current in every_worker]
@@ -249,43 +248,6 @@ class BackupAndRestore:
         if store.check([_PREEMPTION_KEY]):
             return step >= int(store.get(_PREEMPTION_KEY))
         return False
-
-
-def _find_generators(iterable: object) -> list[torch.Generator]:
-    """Generators that decide a DataLoader's order, also under a distributed dataset."""
-    found: list[torch.Generator] = []
-    loader = getattr(iterable, "source", iterable)
-    for holder in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
-
-
-def _get_rng(generators: list[torch.Generator]) -> dict[str, Any]:
-    np_state = np.random.get_state(legacy=True)
-    assert isinstance(np_state, tuple)  # the global RandomState is MT19937: legacy=True gives a tuple
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
-    py_version, py_state, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
-        "python": [py_version, list(py_state), py_gauss],
-        "generators": [g.get_state() for g in generators],
-    }
-
-
-def _set_rng(state: dict[str, Any], generators: list[torch.Generator]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    version, py_state, py_gauss = state["python"]
-    random.setstate((version, tuple(py_state), py_gauss))
-    for generator, generator_state in zip(generators, state["generators"], strict=False):
-        generator.set_state(generator_state)
 
 
 class TerminationConfig:

@@ -18,6 +18,11 @@ A job across nodes needs the user's job secret (``TD_JOB_SECRET_FILE`` or ``TD_J
 the same on every node; see docs/security.md): ``validate`` refuses to start one without
 it unless ``TD_INSECURE=1``.
 
+With ``--min-workers N`` the job is fault-tolerant (``td.experimental.FaultTolerance``): each
+worker also gets ``TD_FT_LIGHTHOUSE`` (the lighthouse's address), ``TD_FT_MIN_WORKERS`` and
+``TD_FT_JOINED_FILE`` (created by the worker once it has joined a quorum), and a lost worker
+is replaced alone (``fault_tolerant_tasks``).
+
 With ``--env tf_config`` (one node only) the torchrun variables are replaced by
 ``TF_CONFIG = {"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker",
 "index": i}}``. An inherited ``TF_CONFIG`` is removed in torchrun mode (it would take
@@ -40,12 +45,17 @@ import random
 import secrets
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch_distribute.cluster.cluster_spec import split_address
 from torch_distribute.cluster.supervisor import TaskSpec
 from torch_distribute.collectives import job_secret
+from torch_distribute.collectives.fault_tolerant_group import (
+    ENV_JOINED_FILE,
+    ENV_LIGHTHOUSE,
+    ENV_MIN_WORKERS,
+)
 from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
 
 __all__ = [
@@ -163,6 +173,8 @@ def validate_launch_args(
     env_mode: str,
     grace_period: float,
     timeout: float | None,
+    min_workers: int | None = None,
+    lighthouse: str | None = None,
 ) -> None:
     """Raise ``InvalidArgumentError`` (naming the option) for any bad launch argument."""
     if isinstance(argv, str):
@@ -206,6 +218,16 @@ def validate_launch_args(
         raise InvalidArgumentError(f"--grace-period must be >= 0 seconds (got {grace_period})")
     if timeout is not None and not timeout > 0:
         raise InvalidArgumentError(f"timeout must be > 0 seconds (got {timeout})")
+    if min_workers is not None:
+        if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= nnodes * nproc:
+            raise InvalidArgumentError(
+                f"--min-workers must be between 1 and the job's {nnodes * nproc} workers (got {min_workers!r})")
+        if nnodes > 1 and node_rank > 0 and not lighthouse and not master:
+            raise InvalidArgumentError("--min-workers across nodes needs --master (node 0 runs the lighthouse)")
+    if lighthouse is not None:
+        if min_workers is None:
+            raise InvalidArgumentError("--lighthouse is for a fault-tolerant job: give --min-workers too")
+        parse_master(lighthouse.split("://", 1)[-1])
 
 
 def worker_environments(
@@ -295,11 +317,14 @@ class LaunchSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     grace_period: float = 10.0
     timeout: float | None = None
+    min_workers: int | None = None
+    lighthouse: str | None = None
 
     def validate(self) -> None:
         """Raise ``InvalidArgumentError`` for a bad argument, before any process starts."""
         validate_launch_args(self.argv, self.nproc, self.nnodes, self.node_rank, self.master,
-                             self.max_restarts, self.env_mode, self.grace_period, self.timeout)
+                             self.max_restarts, self.env_mode, self.grace_period, self.timeout,
+                             self.min_workers, self.lighthouse)
         environ = {**os.environ, **{k: str(v) for k, v in self.extra_env.items()}}
         try:
             if self.nnodes > 1:
@@ -334,6 +359,41 @@ class LaunchSpec:
             tasks.append(TaskSpec(name=f"worker rank {rank}", prefix=f"[rank {rank}] ",
                                   command=command, env={**base, **variables, **extra}))
         return tasks
+
+
+    # -- a fault-tolerant job (--min-workers) ------------------------------------------
+    def lighthouse_address(self) -> tuple[str, bool]:
+        """``host:port`` of the job's lighthouse, and whether this launcher starts it (one
+        node: 127.0.0.1 and a free port; across nodes: node 0, at ``--master``'s host and
+        the next port)."""
+        if self.lighthouse:
+            return self.lighthouse.split("://", 1)[-1], False
+        if self.nnodes == 1:
+            return f"127.0.0.1:{free_ports(1)[0]}", True
+        host, port = parse_master(self.master or "")
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{port + 1}", self.node_rank == 0
+
+    def fault_tolerant_tasks(self, lighthouse: str, state_dir: str) -> Callable[[int, int], TaskSpec]:
+        """``task(index, generation)``: local worker ``index``, started the ``generation``-th
+        time (0 first; a replacement has the same rank, secret and job id)."""
+        base = base_environment(self.env_mode, self.nproc)
+        per_worker = worker_environments(self.nproc, nnodes=self.nnodes, node_rank=self.node_rank,
+                                         master=self.master, env_mode=self.env_mode)
+        extra = {k: str(v) for k, v in self.extra_env.items()}
+        if self.nnodes == 1 and job_secret.job_secret({**base, **extra}) is None:
+            base = {**base, job_secret.ENV_SECRET: job_secret.new_secret(), "TD_JOB_ID": secrets.token_hex(8)}
+        base = {**base, ENV_LIGHTHOUSE: f"http://{lighthouse}", ENV_MIN_WORKERS: str(self.min_workers)}
+        command = [sys.executable, "-u", *self.argv]
+
+        def task(index: int, generation: int) -> TaskSpec:
+            rank = self.node_rank * self.nproc + index
+            joined = os.path.join(state_dir, f"rank{rank}-{generation}.joined")
+            env = {**base, **per_worker[index], "TD_RESTART_COUNT": str(generation),
+                   ENV_JOINED_FILE: joined, **extra}
+            return TaskSpec(name=f"worker rank {rank}", prefix=f"[rank {rank}] ", command=command, env=env)
+
+        return task
 
 
 def _pet_defaults(environ: Mapping[str, str]) -> dict[str, object]:
@@ -378,7 +438,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     parser.add_argument("--master", default=None, metavar="HOST:PORT",
                         help="rendezvous address (node 0); required when --nnodes > 1; "
                         "default on one node: 127.0.0.1 and a free port per attempt")
-    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=None, metavar="K",
                         help="restart all local workers up to K times after a failure (default 0)")
     parser.add_argument("--env", choices=ENV_MODES, default="torchrun", dest="env_mode",
                         help="how workers learn the cluster: torchrun variables (default) or "
@@ -387,6 +447,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                         metavar="S", help="seconds between SIGTERM and SIGKILL (default 10)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="stop everything and exit 124 after S seconds (default: none)")
+    parser.add_argument("--min-workers", "--min_workers", type=int, default=None, metavar="N",
+                        help="a fault-tolerant job (td.experimental.FaultTolerance): start its lighthouse, "
+                             "replace a lost worker alone while the others go on, never run a step with "
+                             "fewer than N workers; --max-restarts then counts replacements (default: no limit)")
+    parser.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                        help="with --min-workers: use this running lighthouse (torch-distribute lighthouse) "
+                             "instead of starting one")
     parser.add_argument("--start-method", choices=("fresh", "preloaded"), default=None,
                         help="fresh: a new interpreter for each worker, as torchrun starts them; "
                              "preloaded: fork the workers from an interpreter that imported torch "

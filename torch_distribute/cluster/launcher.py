@@ -10,6 +10,14 @@ the launcher exits non-zero naming the failed worker.
     torch-distribute launch --nproc 2 train.py --epochs 3
     torch-distribute launch --nproc 4 --nnodes 2 --node-rank 0 --master node0:29500 train.py
     torch-distribute launch --nproc 2 --env tf_config -m mypackage.train
+    torch-distribute launch --nproc 3 --min-workers 2 train.py   # fault-tolerant: see below
+
+With ``--min-workers N`` the job is fault-tolerant (``td.experimental.FaultTolerance``): the
+launcher runs torchft's lighthouse (``cluster/lighthouse.py``) in its own process, and a
+worker that is lost (killed by a signal, or that left after SIGTERM with status 143) is
+started again alone while the others go on training (``ProcessSupervisor.run_replacing``);
+``--max-restarts`` then limits the replacements (default: none). A worker that fails any
+other way (an exception: a bug) ends the job as usual.
 
 The launcher does no networking of its own: the rendezvous is ``torch.distributed``'s
 (worker 0 hosts the c10d store at ``MASTER_ADDR:MASTER_PORT``). Ports for a single-node
@@ -24,7 +32,9 @@ launcher itself is interrupted (SIGINT/SIGTERM); 124 when the ``timeout`` passes
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import IO
 
@@ -37,7 +47,9 @@ from torch_distribute.cluster.launch_spec import (
     parse_master,
     worker_environments,
 )
+from torch_distribute.cluster.lighthouse import start_lighthouse
 from torch_distribute.cluster.supervisor import EXIT_TIMEOUT, ProcessSupervisor
+from torch_distribute.collectives.fault_tolerant_group import ENV_JOINED_FILE, LEFT_FOR_PREEMPTION
 from torch_distribute.errors import InvalidArgumentError
 
 __all__ = [
@@ -58,7 +70,7 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     master: str | None = None,
-    max_restarts: int = 0,
+    max_restarts: int | None = None,
     env_mode: str = "torchrun",
     extra_env: Mapping[str, str] | None = None,
     grace_period: float = 10.0,
@@ -66,6 +78,8 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     start_method: str | None = None,
+    min_workers: int | None = None,
+    lighthouse: str | None = None,
 ) -> int:
     """Run ``nproc`` local workers of a Python script and return the launcher's exit code.
 
@@ -77,11 +91,15 @@ def launch(
     returns 124 when it passes. ``start_method``: ``"fresh"`` starts a new interpreter for
     each worker, as torchrun does; ``"preloaded"`` forks them from an interpreter that
     imported torch once (starts and restarts skip torch's import); None reads
-    ``TD_START_METHOD`` (default fresh).
+    ``TD_START_METHOD`` (default fresh). ``min_workers``: a fault-tolerant job (see the
+    module docstring); ``lighthouse``: a running lighthouse's ``host:port`` to use instead
+    of starting one.
 
     Raises ``InvalidArgumentError`` for bad arguments, before any process starts.
     """
     argv = script_or_module_argv
+    replacements = max_restarts  # a fault-tolerant job: None is no limit
+    max_restarts = max_restarts or 0
     spec = LaunchSpec(
         argv=argv if isinstance(argv, str) else list(argv),
         nproc=nproc,
@@ -93,6 +111,8 @@ def launch(
         extra_env=dict(extra_env or {}),
         grace_period=grace_period,
         timeout=timeout,
+        min_workers=min_workers,
+        lighthouse=lighthouse,
     )
     supervisor = ProcessSupervisor(  # checks start_method; starts nothing yet
         stdout=sys.stdout if stdout is None else stdout,
@@ -104,9 +124,33 @@ def launch(
     spec.validate()
     with supervisor.handling_signals():
         try:
+            if spec.min_workers is not None:
+                return _run_fault_tolerant(spec, supervisor, replacements)
             return supervisor.run_gang(spec.tasks, max_restarts=max_restarts, timeout=timeout)
         finally:
             supervisor.kill_all()
+
+
+def _run_fault_tolerant(spec: LaunchSpec, supervisor: ProcessSupervisor, replacements: int | None) -> int:
+    """The lighthouse (here, unless it runs elsewhere), then the workers, each replaced alone."""
+    address, starts_lighthouse = spec.lighthouse_address()
+    assert spec.min_workers is not None
+    try:
+        # In this process: its torch is imported already, a process of its own would import it again.
+        lighthouse = start_lighthouse(address, spec.min_workers) if starts_lighthouse else None
+    except Exception as error:  # torchft's own error (the address is taken, say)
+        supervisor.log(f"the lighthouse did not start at {address}: {error}")
+        return 1
+    try:
+        with tempfile.TemporaryDirectory(prefix="td-ft-") as state_dir:
+            return supervisor.run_replacing(
+                spec.fault_tolerant_tasks(address, state_dir), spec.nproc,
+                lost=lambda code: code < 0 or code == LEFT_FOR_PREEMPTION,
+                joined=lambda task: os.path.exists(task.env[ENV_JOINED_FILE]),
+                max_replacements=replacements, timeout=spec.timeout)
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [*target, *args.script_args]
         try:
             LaunchSpec(command, args.nproc, args.nnodes, args.node_rank, args.master,
-                       args.max_restarts, args.env_mode, {}, args.grace_period,
-                       args.timeout).validate()
+                       args.max_restarts or 0, args.env_mode, {}, args.grace_period,
+                       args.timeout, args.min_workers, args.lighthouse).validate()
         except InvalidArgumentError as exc:
             parser.error(str(exc))
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
@@ -135,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace_period=args.grace_period,
         timeout=args.timeout,
         start_method=args.start_method,
+        min_workers=args.min_workers,
+        lighthouse=args.lighthouse,
     )
 
 

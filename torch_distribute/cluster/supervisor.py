@@ -12,6 +12,9 @@ runs one of two policies:
   128 + signal number when the supervisor itself is interrupted.
 - ``run_until_exit``: one task leads (the chief of a parameter-server job) and its exit
   code ends the job; tasks marked ``restartable`` are started again alone when they fail.
+- ``run_replacing``: a fault-tolerant job (``torch-distribute launch --min-workers``): a
+  worker that is lost (killed by a signal, or left after SIGTERM) is started again alone
+  while the others go on; any other failure ends the job.
 
 With ``start_method="preloaded"`` (or ``TD_START_METHOD=preloaded``) a Python task (``sys.executable -u`` with a
 script, ``-m`` or ``-c``) is forked from an interpreter that imported torch once
@@ -505,6 +508,86 @@ class ProcessSupervisor:
                 self.log(f"no restarts left ({max_restarts} used)")
             self.log(what)
             return exit_code_for(code)
+
+    def run_replacing(
+        self,
+        make_task: Callable[[int, int], TaskSpec],
+        count: int,
+        *,
+        lost: Callable[[int], bool],
+        joined: Callable[[TaskSpec], bool],
+        max_replacements: int | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Run ``count`` tasks as one fault-tolerant job: a lost task is replaced alone.
+
+        ``make_task(index, generation)`` gives task ``index`` (generation 0 first, then one
+        more per replacement). A task whose exit status is ``lost`` (killed by a signal,
+        or left after a preemption) is started again in its place while the others go on,
+        up to ``max_replacements`` in all (None: no limit); any other failure stops the job
+        with its exit code, as ``run_gang`` does without restarts. Once a task has finished
+        (exit 0) none is replaced, and the job ends
+        with 0 when every task still running has not ``joined`` (a replacement too late
+        for the end: it is stopped). Returns as ``run_gang``.
+        """
+        try:
+            return self._run_replacing(make_task, count, lost, joined, max_replacements, timeout)
+        finally:
+            self._remove_error_files()
+            self.close()
+
+    def _start_recorded(self, spec: TaskSpec, name: str) -> SupervisedProcess:
+        """Start ``spec`` with a failure-record file of its own (``first_failure`` reads it)."""
+        assert self.error_dir is not None
+        env = {**spec.env, failure_record.ERROR_FILE_ENV: os.path.join(self.error_dir, f"{name}.json")}
+        return self.start(TaskSpec(spec.name, spec.prefix, spec.command, env, spec.restartable))
+
+    def _run_replacing(self, make_task: Callable[[int, int], TaskSpec], count: int, lost: Callable[[int], bool],
+                       joined: Callable[[TaskSpec], bool], max_replacements: int | None,
+                       timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.error_dir = tempfile.mkdtemp(prefix="td-failures-")
+        generations = [0] * count
+        self.processes = [self._start_recorded(make_task(index, 0), f"task{index}-0") for index in range(count)]
+        replaced = 0
+        finishing = False
+        while True:
+            if self.received:
+                return self._interrupted()
+            if deadline is not None and time.monotonic() >= deadline:
+                self.log(f"timed out after {timeout:g} s; stopping all workers")
+                self.stop_all()
+                return EXIT_TIMEOUT
+            tasks = self.processes
+            codes = [task.poll() for task in tasks]
+            finishing = finishing or any(code == 0 for code in codes)
+            for index, (task, code) in enumerate(zip(tasks, codes, strict=True)):
+                if code is None or code == 0 or (finishing and lost(code)):
+                    continue
+                if lost(code) and (max_replacements is None or replaced < max_replacements):
+                    replaced += 1
+                    generations[index] += 1
+                    self.log(f"{task.spec.name} (pid {task.pid}) {describe_status(code)}; starting a replacement "
+                             f"({replaced}{'' if max_replacements is None else f'/{max_replacements}'}), the "
+                             "others go on")
+                    self.processes[index] = self._start_recorded(
+                        make_task(index, generations[index]), f"task{index}-{generations[index]}")
+                    continue
+                self.seen_failed = [task]
+                self.stop_all()
+                failed, code, error = self.first_failure([task])
+                if lost(code):
+                    self.log(f"no replacements left ({replaced} used)")
+                self.log(f"{failed.spec.name} (pid {failed.pid}) {describe_status(code)}" + (f" ({error})" if error else ""))
+                return exit_code_for(code)
+            if finishing:
+                running = [task for task, code in zip(tasks, codes, strict=True) if code is None]
+                if not any(joined(task.spec) for task in running):
+                    if running:
+                        self.log(f"the job finished; stopping {len(running)} replacement(s) that had not joined it")
+                    self.stop_all()
+                    return 0
+            time.sleep(POLL_S)
 
     def run_until_exit(
         self, specs: Sequence[TaskSpec], *, leader: int = 0, timeout: float | None = None

@@ -151,6 +151,16 @@ class WorkerGroup:
         """Count one ``strategy.run``: gradient buckets carry it in their signature."""
         self.run_count += 1
 
+    def step_label(self, optimizer_steps: int) -> tuple[int, int]:
+        """(step, run) a gradient bucket's signature and fingerprint name: the optimizer's
+        own step count and ``run_count``."""
+        return optimizer_steps, self.run_count
+
+    @property
+    def collectives_failed(self) -> bool:
+        """False: a failed collective raises here (a fault-tolerant group's returns instead)."""
+        return False
+
     def agree(self, kind: str, what: str, tensor: torch.Tensor | None = None,
               shape: Sequence[int] | None = None) -> None:
         """Check that every worker is about to make the same collective (when verifying).

@@ -20,6 +20,7 @@ torch.Size([5, 3])
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,7 +30,7 @@ import torch
 from torch_distribute import metrics as td_metrics
 from torch_distribute import nest
 from torch_distribute.checkpoint import Checkpoint
-from torch_distribute.errors import DatasetError, InvalidArgumentError
+from torch_distribute.errors import DatasetError, FaultToleranceError, InvalidArgumentError
 from torch_distribute.fault_tolerance import BackupAndRestore as _Backup
 from torch_distribute.keras.callbacks.backup_and_restore import BackupAndRestore
 from torch_distribute.keras.callbacks.base import Callback, CallbackList
@@ -41,6 +42,7 @@ from torch_distribute.mixed_precision import LossScaleOptimizer
 
 if TYPE_CHECKING:
     from torch_distribute.strategies import Strategy
+    from torch_distribute.strategies.fault_tolerant import FaultTolerantTraining
 
 __all__ = [
     "TrainableModel",
@@ -115,7 +117,10 @@ def fit_loop(
     validation_freq: int = 1,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs under ``strategy`` (the arguments already checked)."""
-    fit_state = _FitState(_shared_seed(strategy))
+    ft = strategy.extended.fault_tolerance
+    # Under fault tolerance no collective may run outside the steps (a worker that joins
+    # would make it alone): the chief's seed reaches every worker with the first quorum.
+    fit_state = _FitState(_shared_seed(strategy) if ft is None else _local_seed())
     train = make_handler(strategy, x, y, sample_weight, batch_size, shuffle, steps_per_epoch, seed=fit_state.seed)
     val = None
     if validation_data is not None:
@@ -127,37 +132,104 @@ def fit_loop(
     model.history = history
     model.stop_training = False
     callback_list.on_train_begin()
+    epoch_starting = (fit_in_fault_tolerant_job(ft, backup_callback, train, steps_per_epoch, fit_state)
+                      if ft is not None else None)
+    if ft is not None:
+        _fit_optimizer_state(ft, model.optimizer)
     backup = _open_backup(model, strategy, backup_callback, train, fit_state, history, callback_list)
     if backup is not None and hasattr(train.source, "seed"):
         train.source.seed = fit_state.seed
     if backup is not None:
         train.restore_position(mid_epoch=backup.step_in_epoch > 0)
-    epoch_numbers: Iterator[int] | range = backup.epochs(epochs, initial_epoch) if backup is not None else range(initial_epoch, epochs)
+    epoch_numbers: Iterator[int] | range = (backup.epochs(epochs, initial_epoch) if backup is not None
+                                            else ft.epochs(epochs, initial_epoch) if ft is not None
+                                            else range(initial_epoch, epochs))
     logs: dict[str, float] = {}
-    for epoch in epoch_numbers:
-        resume_step = backup.step_in_epoch if backup is not None else 0
-        if resume_step == 0:
-            model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
-        batches = train.epoch(epoch)
-        ran = _train_epoch(model, steps, backup.steps(batches) if backup is not None else batches, train,
-                           callback_list, resume_step)
-        if ran is None:  # a stream that had nothing left
-            _warn_ran_out(epoch)
-            break
-        logs = metric_logs(model)
-        if val is not None and (epoch + 1) % validation_freq == 0:
-            logs.update({f"val_{k}": v for k, v in _test_loop(model, steps, val, callback_list, epoch).items()})
-        callback_list.on_epoch_end(epoch, logs)
-        if train.exhausted:
-            _warn_ran_out(epoch)
-            model.stop_training = True
-        if model.stop_training:
-            break
+    try:
+        for epoch in epoch_numbers:
+            resume_step = backup.step_in_epoch if backup is not None else 0
+            if resume_step == 0:
+                model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            if epoch_starting is not None:
+                epoch_starting()
+            with _dataset_key(ft, f"fit/train/{epoch}"):
+                batches = train.epoch(epoch)
+            ran = _train_epoch(model, steps, backup.steps(batches) if backup is not None else batches, train,
+                               callback_list, resume_step)
+            if ran is None:  # a stream that had nothing left
+                _warn_ran_out(epoch)
+                break
+            logs = metric_logs(model)
+            if val is not None and (epoch + 1) % validation_freq == 0:
+                with _dataset_key(ft, f"fit/val/{epoch}"):
+                    logs.update({f"val_{k}": v for k, v in _test_loop(model, steps, val, callback_list, epoch).items()})
+            callback_list.on_epoch_end(epoch, logs)
+            if train.exhausted:
+                _warn_ran_out(epoch)
+                model.stop_training = True
+            if model.stop_training:
+                break
+    finally:
+        if ft is not None:
+            ft.unregister_state("fit")
+            ft.unregister_state("fit/loss_scale")
+            ft.resumes_inside_epoch = True
     if backup is not None:
         backup.finish()
     callback_list.on_train_end(logs)
     return history
+
+
+def fit_in_fault_tolerant_job(ft: FaultTolerantTraining, backup_callback: BackupAndRestore | None,
+                              train: DataHandler, steps_per_epoch: int | None,
+                              fit_state: _FitState) -> Callable[[], None]:
+    """What ``fit`` hands a worker that joins (``ft.register_state``): the shuffling seed and
+    where the data's generators stood when the epoch started (the returned function takes
+    note of that, before each epoch's batches are made); the data's position inside the
+    epoch comes with its distributed dataset (``fit/train/<epoch>``). Refuses what cannot
+    resume from a peer yet, saying what to do instead."""
+    if backup_callback is not None:
+        raise FaultToleranceError(
+            "fit(callbacks=[BackupAndRestore(...)]) under FaultTolerance: a worker that joins takes the job's "
+            "state from a live worker, not from a backup. Leave BackupAndRestore out (use ModelCheckpoint for "
+            "copies on disk).")
+    if steps_per_epoch is not None and train.source is not None:
+        raise FaultToleranceError(
+            "fit(steps_per_epoch=...) under FaultTolerance: one stream of batches across epochs cannot resume "
+            "on a worker that joins yet. Leave steps_per_epoch out (one pass of the data per epoch).")
+
+    epoch_start: list[Any] = [g.get_state() for g in train.generators()]
+
+    def epoch_starting() -> None:
+        epoch_start[:] = [g.get_state() for g in train.generators()]
+
+    def state() -> dict[str, Any]:
+        return {"seed": fit_state.seed, "generators": list(epoch_start)}
+
+    def load(value: dict[str, Any]) -> None:
+        fit_state.seed = int(value["seed"])
+        if hasattr(train.source, "seed"):
+            train.source.seed = fit_state.seed
+        for generator, generator_state in zip(train.generators(), value["generators"], strict=False):
+            generator.set_state(generator_state)
+
+    ft.register_state("fit", state, load)
+    ft.resumes_inside_epoch = False  # an epoch's batches are made once (a one-shot stream)
+    return epoch_starting
+
+
+def _fit_optimizer_state(ft: FaultTolerantTraining, optimizer: Any) -> None:
+    """A mixed-precision model's loss scale goes to a joining worker too (the inner
+    optimizer is the strategy's already)."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        ft.register_state("fit/loss_scale", lambda: optimizer.state_dict()["loss_scale"],
+                          lambda scale: optimizer.load_state_dict(
+                              {"optimizer": optimizer.inner_optimizer.state_dict(), "loss_scale": scale}))
+
+
+def _dataset_key(ft: FaultTolerantTraining | None, key: str) -> contextlib.AbstractContextManager[None]:
+    return ft.dataset_key(key) if ft is not None else contextlib.nullcontext()
 
 
 def _train_epoch(model: TrainableModel, steps: ReplicaSteps, batches: Any, handler: DataHandler,
@@ -306,6 +378,10 @@ def _open_backup(model: TrainableModel, strategy: Strategy, callback: BackupAndR
                             callbacks=states, fit=fit_state, data=handler)
     return _Backup(checkpoint, callback.backup_dir, save_freq=callback.save_freq,
                    delete_checkpoint=callback.delete_checkpoint, generators=handler.generators(), strategy=strategy)
+
+
+def _local_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)[0])
 
 
 def _shared_seed(strategy: Strategy) -> int:

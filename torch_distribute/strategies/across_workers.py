@@ -1,6 +1,7 @@
 """The cross-worker half of ``StrategyExtended`` for strategies with one process per worker.
 
-``MultiWorkerMirroredStrategy`` and ``FullyShardedStrategy`` both keep a ``WorkerGroup`` and
+``MultiWorkerMirroredStrategy`` and ``FullyShardedStrategy`` both keep a ``WorkerGroup`` (a
+``FaultTolerantGroup`` under fault tolerance, whose membership changes between steps) and
 answer the contract's topology and cross-worker calls the same way: through the group when
 there are several workers, locally when there is one. A strategy mixes this in before its
 ``StrategyExtended`` base, calls ``_take_place(resolver)`` and sets ``_group`` (a
@@ -24,6 +25,7 @@ from torch_distribute.collectives.communication import (
     CommunicationImplementation,
     CommunicationOptions,
 )
+from torch_distribute.collectives.fault_tolerant_group import FaultTolerantGroup
 from torch_distribute.collectives.worker_group import WorkerGroup
 from torch_distribute.devices import LogicalDevice, gpu_identity, local_devices
 from torch_distribute.errors import ClusterConfigError, InvalidArgumentError
@@ -38,7 +40,7 @@ class AcrossWorkers:
     _num_workers: int
     _worker_index: int
     _is_chief: bool
-    _group: WorkerGroup | None
+    _group: WorkerGroup | FaultTolerantGroup | None
 
     def _take_place(self, resolver: ClusterResolver) -> None:
         """This worker's place in the cluster: how many workers, which one, the chief or not."""
@@ -58,7 +60,7 @@ class AcrossWorkers:
     def is_chief(self) -> bool:
         return self._is_chief
 
-    def _peers(self) -> WorkerGroup | None:
+    def _peers(self) -> WorkerGroup | FaultTolerantGroup | None:
         """The group when there are other workers to talk to; None alone."""
         return self._group if self._num_workers > 1 else None
 

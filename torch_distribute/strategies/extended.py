@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from torch_distribute.values import (
     exact_tensor,
     select_replica,
 )
+
+if TYPE_CHECKING:
+    from torch_distribute.strategies.fault_tolerant import FaultTolerantTraining
 
 
 def first_tensor(obj: object) -> torch.Tensor | None:
@@ -209,6 +212,11 @@ class StrategyExtended:
         # Every replica calls scheduler.step(); it must advance once per training step.
         return replica.merge_call(lambda _strategy: step(*args, **kwargs))
 
+    def scaler_update(self, scaler: Any, update: Callable[..., Any]) -> Any:
+        """``GradScaler.update()`` inside ``run`` with several replicas, once per step (in a
+        ``merge_call``); ``update(new_scale=...)`` takes torch's arguments. Here: as called."""
+        return update()
+
     # -- 3-4. values and reductions: every process calls them in the same order (they are
     #    collectives across workers); replica_* ones from inside merge_call -----------------
     def local_components(self, value: Any) -> list[torch.Tensor]:
@@ -346,6 +354,14 @@ class StrategyExtended:
 
     def after_update(self, var: torch.Tensor) -> None:
         """``update`` changed every copy of ``var`` alike: nothing to re-broadcast."""
+
+    # -- per-step fault tolerance: read by fit (keras/training_loops.py) -------------------
+    @property
+    def fault_tolerance(self) -> FaultTolerantTraining | None:
+        """This strategy's per-step fault tolerance (``td.experimental.FaultTolerance``): its
+        epoch loop, the keys of the datasets made and the state a joining worker receives.
+        ``None`` here: a strategy without it."""
+        return None
 
     # -- 5. checkpoints: called by td.Checkpoint on every process that saves or restores ---
     @property

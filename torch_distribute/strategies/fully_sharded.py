@@ -170,7 +170,7 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
     # -- topology --------------------------------------------------------------------------
     @property
     def worker_group(self) -> WorkerGroup:
-        assert self._group is not None, "opened by __init__, whatever the number of workers"
+        assert isinstance(self._group, WorkerGroup), "opened by __init__, whatever the number of workers"
         return self._group
 
     @property

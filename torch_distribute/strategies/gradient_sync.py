@@ -27,16 +27,39 @@ own memory first, so a backward can never write into a bucket that is being all-
 from __future__ import annotations
 
 import threading
+from typing import Any, NoReturn, Protocol
 
 import torch
-import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from torch_distribute.collectives import fingerprint
 from torch_distribute.collectives.packing import unpack
-from torch_distribute.collectives.worker_group import Agreement, WorkerGroup
 from torch_distribute.eager import never_compiled
 from torch_distribute.strategies.replicated_state import MirroredTensor, ReplicatedState
+
+
+class GradientGroup(Protocol):
+    """What the buckets need of a group of workers: ``WorkerGroup``, or a fault-tolerant job's
+    ``FaultTolerantGroup`` (whose failed collectives return at once and say so in
+    ``collectives_failed``)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def collectives_failed(self) -> bool: ...
+
+    def step_label(self, optimizer_steps: int) -> tuple[int, int]: ...
+
+    def start_agreement(self, kind: str, what: str) -> Any: ...
+
+    def finish_agreement(self, agreement: Any) -> Any: ...
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> Any: ...
+
+    def wait(self, what: str, work: Any) -> None: ...
+
+    def raise_mismatch(self, description: str) -> NoReturn: ...
 
 
 class _Bucket:
@@ -55,7 +78,7 @@ class _Bucket:
 class GradientSynchronizer:
     """Sums one optimizer's gradients over local replicas and workers."""
 
-    def __init__(self, state: ReplicatedState, records: list[MirroredTensor], group: WorkerGroup,
+    def __init__(self, state: ReplicatedState, records: list[MirroredTensor], group: GradientGroup,
                  num_local: int, bucket_bytes: int):
         self._state = state
         self._hooked_generation = -1
@@ -73,9 +96,9 @@ class GradientSynchronizer:
         self._ready: list[list[set[int]]] = [[set() for _ in b.records] for b in self._buckets]
         self._pending = [len(b.records) for b in self._buckets]
         self._next = 0
-        self._works: list[dist.Work | None] = []
+        self._works: list[Any] = []
         self._dirty = False
-        self._agreement: Agreement | None = None
+        self._agreement: Any = None
 
     def _start_agreement(self) -> None:
         """Start comparing this step with the other workers' (overlapping the backward).
@@ -83,9 +106,9 @@ class GradientSynchronizer:
         On the main group: a worker making another collective instead (a reduce, a save),
         or another step, is named at once, before any bucket of another step is summed.
         """
+        step, run = self._group.step_label(self._steps + 1)
         self._agreement = self._group.start_agreement(
-            "optimizer step", f"optimizer step {self._steps + 1} in strategy.run "
-                              f"#{self._group.run_count} (gradient all-reduce)")
+            "optimizer step", f"optimizer step {step} in strategy.run #{run} (gradient all-reduce)")
 
     # -- hooks -----------------------------------------------------------------------------
     def attach_hooks(self) -> None:
@@ -143,7 +166,7 @@ class GradientSynchronizer:
                 else:
                     view.zero_()
                 flags.append(1.0 if grads else 0.0)
-            signs = fingerprint.signature(self._steps + 1, self._group.run_count)
+            signs = fingerprint.signature(*self._group.step_label(self._steps + 1))
             bucket.flat[bucket.flag_offset:].copy_(torch.tensor([*flags, *signs], dtype=bucket.flat.dtype))
         self._works.append(self._group.all_reduce_async(bucket.flat))
 
@@ -189,18 +212,36 @@ class GradientSynchronizer:
             self._steps += 1
             self._reset_round()
 
+    def finish_alone(self) -> None:
+        """The only worker of the step (a fault-tolerant job down to one): the gradients are
+        their own sums already. Wait for what backward launched, and leave every ``.grad`` as
+        it is: a ``GradScaler`` or a clipping may have changed it in place since backward."""
+        with self._lock:
+            agreement, works = self._agreement, self._works
+        if agreement is not None:
+            self._group.finish_agreement(agreement)
+        for work in works:
+            self._group.wait("gradient all-reduce", work)
+        with self._lock:
+            self._steps += 1
+            self._reset_round()
+
     def _check_signatures(self, tails: list[list[float]]) -> None:
         """Every worker summed gradients of the same optimizer step and run, or all raise.
-        ``tails``: each bucket's summed flags and signature."""
-        signs = fingerprint.signature(self._steps + 1, self._group.run_count)
+        ``tails``: each bucket's summed flags and signature. (Not when a fault-tolerant
+        group lost a member: the sums are this worker's own and the step is dropped.)"""
+        if self._group.collectives_failed:
+            return
+        step, run = self._group.step_label(self._steps + 1)
+        signs = fingerprint.signature(step, run)
         expected = [sign * self._group.world_size for sign in signs]
         for bucket, tail in zip(self._buckets, tails, strict=True):
             if tail[len(bucket.records):] != expected:
                 with self._lock:
                     self._reset_round()
                 self._group.raise_mismatch(
-                    f"gradient all-reduce of optimizer step {self._steps + 1} in strategy.run "
-                    f"#{self._group.run_count} (a worker skipped or repeated optimizer.step()?)")
+                    f"gradient all-reduce of optimizer step {step} in strategy.run "
+                    f"#{run} (a worker skipped or repeated optimizer.step()?)")
 
     def close(self) -> None:
         for handle in self._handles:

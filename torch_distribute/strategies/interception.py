@@ -327,9 +327,9 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
                 "`with strategy.scope():`."
             )
 
-        def call() -> Any:
+        def call(**overrides: Any) -> Any:
             try:
-                return original(scaler, *args, **kwargs)
+                return original(scaler, *args, **{**kwargs, **overrides})
             except RuntimeError as error:  # torch's misuse errors, with what to change
                 if not any(text in str(error) for text in _SCALER_MISUSE):
                     raise  # e.g. a collective that failed: the strategy names the worker
@@ -339,7 +339,9 @@ def _wrap_scaler_method(original: Any, takes_optimizer: bool) -> Any:
                     "training step, then scaler.update()."
                 ) from error
 
-        return _once_on_global_gradients(replica, [optimizer] if takes_optimizer else [], call)
+        if not takes_optimizer:  # update(): once per step, as the strategy says (scaler_update)
+            return replica.merge_call(lambda strategy: strategy.extended.scaler_update(scaler, call))
+        return _once_on_global_gradients(replica, [optimizer], call)
 
     return _eager(method)
 

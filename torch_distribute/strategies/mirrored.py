@@ -207,6 +207,8 @@ class MirroredExtended(ReplicatedExtended):
         self._steps_taken[optimizer] = number
         self._nonfinite.check([r.live_primary().grad for r in records],
                               f"optimizer step {number} ({type(optimizer).__name__})", self._gather_nonfinite)
+        if not self._commit_step(records):
+            return None
         result = step()
         self._after_optimizer_step(records)
         if self._state.replicas_on_copies:
@@ -261,6 +263,13 @@ class MirroredExtended(ReplicatedExtended):
                     torch._foreach_add_([t for t, _ in pairs], [g for _, g in pairs])
                 for record in records:
                     record.current_copies()[k].grad = None
+
+    def _commit_step(self, records: list[MirroredTensor]) -> bool:
+        """Hook: whether to apply the optimizer step to the summed gradients (always, here).
+        A fault-tolerant variant asks torchft, and when the step is dropped it leaves the
+        gradients and state as they were before the step; the user's step is then skipped
+        and ``optimizer.step()`` returns None."""
+        return True
 
     def _after_optimizer_step(self, records: list[MirroredTensor]) -> None:
         """Hook: after the user's step, before the new values go to the replicas (nothing

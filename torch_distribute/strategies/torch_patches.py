@@ -82,7 +82,8 @@ PATCHES: tuple[Change, ...] = (
            "torch has no hook that fires when a scheduler is constructed", _STRATEGY, _LAST_STRATEGY,
            _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)"),
     *(Change(f"torch.amp.GradScaler.{name}", "wrapped: inside run with several replicas it runs once, "
-             "in a merge_call, after extended.apply_to_global_gradients",
+             "in a merge_call, after extended.apply_to_global_gradients (update: through "
+             "extended.scaler_update, which keeps the scale of a step a fault-tolerant job dropped)",
              f"GradScaler.{name} {_ACROSS_REPLICAS} (one scale, one decision to skip)", _STRATEGY,
              _LAST_STRATEGY, _INTERCEPTION, f"torch.amp.GradScaler.{name}", signature)
       for name, signature in (("unscale_", "(self, optimizer)"), ("step", "(self, optimizer, *args, **kwargs)"),
@@ -173,6 +174,21 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
     Change("signal SIGTERM handler", "BackupAndRestore(handle_preemption) makes SIGTERM save at the next "
            "step on every worker", "preemption is a signal", "BackupAndRestore, in the main thread",
            "never: the process is meant to end after the save", "torch_distribute.fault_tolerance"),
+    Change("signal SIGTERM handler (fault tolerance)", "under td.experimental.FaultTolerance, SIGTERM makes the "
+           "worker leave its job at the next step boundary (exit 143) while the others go on",
+           "preemption is a signal", "when a fault-tolerant strategy is made, in the main thread",
+           "when its FaultTolerantTraining closes (at exit, or close()): the previous handler is put back",
+           "torch_distribute.strategies.fault_tolerant"),
+    Change("atexit: FaultTolerantTraining.close", "registered per fault-tolerant strategy: torchft's manager "
+           "(heartbeats, server) and the worker's store stopped", "an exit-time action",
+           "when a fault-tolerant strategy is made", "at its close()", "torch_distribute.strategies.fault_tolerant"),
+    Change("os.environ['RUST_LOG'] and the levels of torchft's loggers ('torchft', 'torchft_quorums', "
+           "'torchft_commits', 'torchft_errors')", "set, where unset, to 'error' and CRITICAL: torchft's Rust side "
+           "logs every quorum on stderr, its Python side a traceback per lost worker; this package logs one line",
+           "torchft reads RUST_LOG when it is imported and has no quieter setting",
+           "before torchft's first import (a fault-tolerant strategy, the launcher's lighthouse)",
+           "never: torchft read it at its import; a value or level the user set is left alone",
+           "torch_distribute.collectives.fault_tolerant_group"),
     Change("signal SIGINT/SIGTERM/SIGHUP handlers", "the launcher's supervisor stops its workers",
            "signals", "while the launcher supervises", "at once: the previous handlers are put back",
            "torch_distribute.cluster.supervisor"),
