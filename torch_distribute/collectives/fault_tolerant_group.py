@@ -377,6 +377,13 @@ class FaultTolerantGroup:
         payloads = self.finish_agreement(agreement) if agreement is not None else None
         return flag if payloads is None else any(payload[0] for payload in payloads)
 
+    def gather_small(self, payload: bytes, what: str) -> list[bytes]:
+        """Every worker's small ``payload`` (64 bytes at most), in rank order, zero-padded; this
+        worker's own alone when the step failed (nothing of the step is committed then)."""
+        agreement = self.start_agreement("gather_small", what, payload=payload or b"\x00")
+        payloads = self.finish_agreement(agreement) if agreement is not None else None
+        return [payload.ljust(exchange.PAYLOAD_BYTES, b"\x00")] if payloads is None else payloads
+
     def all_reduce_(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, what: str = "all_reduce") -> torch.Tensor:
         """SUM (or ``op``) over this step's workers, in place; this worker's own value when
         the step failed."""

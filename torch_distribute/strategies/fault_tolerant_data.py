@@ -21,7 +21,7 @@ import ipaddress
 import os
 import socket
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch_distribute.collectives.fault_tolerant_group import ENV_LIGHTHOUSE
 from torch_distribute.errors import FaultToleranceError
 from torch_distribute.input import AutoShardPolicy, DistributedDataset, InputOptions
 from torch_distribute.input.dataset_options import options_of, unwrapped
+from torch_distribute.input.distributed_dataset import SyncStep
 from torch_distribute.input.sharding_sampler import refuse_sharding_sampler
 from torch_distribute.strategies.fault_tolerant import FaultTolerantTraining
 
@@ -40,7 +41,7 @@ ENV_HOST = "TD_FT_HOST"
 
 
 def fault_tolerant_dataset(training: FaultTolerantTraining, dataset: Iterable[Any], devices: list[torch.device],
-                           options: InputOptions | None, sync_has_data: Callable[[bool], bool]) -> DistributedDataset:
+                           options: InputOptions | None, sync_step: SyncStep) -> DistributedDataset:
     """``dataset`` (global batches) as a distributed dataset cut by every step's live workers."""
     options = options or InputOptions()
     requested = options.auto_shard_policy or options_of(dataset).experimental_distribute.auto_shard_policy
@@ -58,7 +59,7 @@ def fault_tolerant_dataset(training: FaultTolerantTraining, dataset: Iterable[An
     live_options = dataclasses.replace(options, auto_shard_policy=AutoShardPolicy.OFF,
                                        experimental_per_replica_buffer_size=0)
     return DistributedDataset(training.live_source(dataset), devices, num_workers=1, worker_index=0,
-                              options=live_options, sync_has_data=sync_has_data)
+                              options=live_options, sync_step=sync_step)
 
 
 def store_host(lighthouse: str | None) -> str:

@@ -215,7 +215,7 @@ class MultiWorkerMirroredExtended(AcrossWorkers, MirroredExtended):
         the strategy's usual distributed dataset)."""
         if self._ft is None:
             return None
-        return fault_tolerant_dataset(self._ft, dataset, list(self.replica_devices), options, self.any_worker_has_data)
+        return fault_tolerant_dataset(self._ft, dataset, list(self.replica_devices), options, self.gather_input_reports)
 
     # -- topology --------------------------------------------------------------------------
     @property
