@@ -75,9 +75,9 @@ def launch(
     ``[rank R] ``; the launcher's own messages go to ``stderr``. ``extra_env`` is added to
     every worker's environment last. ``timeout`` (seconds, for tests) stops everything and
     returns 124 when it passes. ``start_method``: ``"fresh"`` starts a new interpreter for
-    each worker, as torchrun does; ``"preloaded"`` forks them from an interpreter that
-    imported torch once (starts and restarts skip torch's import); None reads
-    ``TD_START_METHOD`` (default fresh).
+    each worker, as torchrun does; ``"forkserver"`` forks them from the standard library's
+    forkserver, which imported torch once (starts and restarts skip torch's import); None
+    reads ``TD_START_METHOD`` (default fresh).
 
     Raises ``InvalidArgumentError`` for bad arguments, before any process starts.
     """

@@ -173,6 +173,14 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
     Change("signal SIGTERM handler", "BackupAndRestore(handle_preemption) makes SIGTERM save at the next "
            "step on every worker", "preemption is a signal", "BackupAndRestore, in the main thread",
            "never: the process is meant to end after the save", "torch_distribute.fault_tolerance"),
+    Change("multiprocessing's forkserver: set_forkserver_preload, and the server started",
+           "the preload list set to torch and torch._dynamo, and the process's forkserver started with "
+           "the start-up variables of the first task it forks (os.environ holds them for that moment: "
+           "multiprocessing starts the server with it)",
+           "multiprocessing keeps one forkserver per process, configured process-wide",
+           "when a supervisor with start_method='forkserver' (the launcher, local_cluster) forks its "
+           "first task", "never: the server forks every later task and ends with the process",
+           "torch_distribute.cluster.forkserver_tasks"),
     Change("signal SIGINT/SIGTERM/SIGHUP handlers", "the launcher's supervisor stops its workers",
            "signals", "while the launcher supervises", "at once: the previous handlers are put back",
            "torch_distribute.cluster.supervisor"),
