@@ -6,8 +6,9 @@ is made when the feature that needs it is first used (``installed``) and undone,
 sound, when its last user is gone (``undone`` says when, or why not). Where torch has a public
 hook, that is used instead (``TORCH_HOOKS_USED``); ``PATCHES`` are the torch objects replaced
 because it has none. ``torch_target`` and ``signature`` are what each relies on in torch, as
-found on the versions in ``TORCH_VERSIONS_CHECKED``: the test of this table compares them with
-the installed torch, so an upgrade that changes them fails in CI, not in a user's run.
+found on the newest of the versions in ``TORCH_VERSIONS_CHECKED`` (``older``: where the oldest
+differs, and the code handles both): the test of this table compares them with the installed
+torch, so an upgrade that changes them fails in CI, not in a user's run.
 
 The strategy's patches (``interception.py``) are installed by ``strategy_created``, which
 ``Strategy.__init__`` calls, when the first strategy other than the default one is made, and
@@ -37,8 +38,9 @@ from torch_distribute.strategies import interception
 if TYPE_CHECKING:
     from torch_distribute.context import StrategyLike
 
-#: The torch versions on which every ``torch_target`` and ``signature`` below was checked.
-TORCH_VERSIONS_CHECKED = ("2.13",)
+#: The torch versions on which every ``torch_target`` and ``signature`` below was checked: the
+#: oldest supported (pyproject's ``torch>=``), the local CPU build, the newest the index serves.
+TORCH_VERSIONS_CHECKED = ("2.6", "2.13", "2.14")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,10 @@ class Change:
     undone: str  #: when it is undone, or why it is not
     code: str  #: the module that makes it
     torch_target: str | None = None  #: what in torch it relies on (dotted), if anything
-    signature: str | None = None  #: ``call_shape(torch_target)`` on the versions checked
+    signature: str | None = None  #: ``call_shape(torch_target)`` on the newest version checked
+    #: ``(torch_target, signature)`` on the oldest version checked, where they differ (the code
+    #: handles both); a target of None: torch had none then.
+    older: tuple[str | None, str | None] | None = None
 
 
 _STRATEGY = "when the first strategy other than the default one is made (strategy_created)"
@@ -80,7 +85,9 @@ PATCHES: tuple[Change, ...] = (
     Change("torch.optim.lr_scheduler.LRScheduler.__init__", "wrapped: a scheduler of a captured "
            "optimizer goes to extended.capture_scheduler, its step rebound where steps are routed",
            "torch has no hook that fires when a scheduler is constructed", _STRATEGY, _LAST_STRATEGY,
-           _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)"),
+           _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)",
+           older=("torch.optim.lr_scheduler.LRScheduler.__init__",
+                  "(self, optimizer, last_epoch=-1, verbose='deprecated')")),
     *(Change(f"torch.amp.GradScaler.{name}", "wrapped: inside run with several replicas it runs once, "
              "in a merge_call, after extended.apply_to_global_gradients",
              f"GradScaler.{name} {_ACROSS_REPLICAS} (one scale, one decision to skip)", _STRATEGY,
@@ -128,14 +135,16 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
            "when the first td.function compiles",
            "when the last td.function that compiled is garbage-collected (dynamo's cache may hold its "
            "backend as long as the compiled code lives)", "torch_distribute.compiled_function",
-           "torch._inductor.cudagraph_utils.cudagraphs_log"),
+           "torch._inductor.cudagraph_utils.cudagraphs_log",
+           older=(None, None)),  # torch 2.6 logs the reasons as perf hints: no warning there
     Change("torch._dynamo.config.recompile_limit", "raised to 8 graphs per replica: each replica's "
            "step compiles a graph of its own",
            "torch.compile takes no per-call limit, and torch._dynamo.config.patch sets the process-wide "
            "value while it lasts, which replica threads compiling at once would undo under each other",
            "when td.function first runs strategy.run with more replicas than the limit allows",
            "put back when the last td.function that compiled is garbage-collected, if nobody changed it "
-           "since", "torch_distribute.compiled_function", "torch._dynamo.config.recompile_limit"),
+           "since", "torch_distribute.compiled_function", "torch._dynamo.config.recompile_limit",
+           older=("torch._dynamo.config.cache_size_limit", None)),
     Change("atexit: collectives.store_threads._end_before_teardown", "registered once: at exit, wakes "
            "(or else ends the process before) a store call still blocked, which would abort the "
            "interpreter's teardown", "an exit-time action; registered before the first group's own "
@@ -208,7 +217,8 @@ TORCH_HOOKS_USED: tuple[Change, ...] = (
            "torch.compile refuses mode and options together; its own backend object takes both "
            "(private: checked here)", "per torch.compile call", "nothing to undo",
            "torch_distribute.compiled_function", "torch._TorchCompileInductorWrapper.__init__",
-           "(self, mode, options, dynamic, name=None)"),
+           "(self, mode, options, dynamic, name=None)", older=("torch._TorchCompileInductorWrapper.__init__",
+                                                              "(self, mode, options, dynamic)")),
 )
 
 
