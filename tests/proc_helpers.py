@@ -133,11 +133,24 @@ class _Forkserver:
 _forkserver = _Forkserver()
 
 
+_forkserver_ready: list[bool] = []
+
+
 def start_forkserver() -> None:
     """Start this process's forkserver now (unless it runs) with the start-up environment of
-    the tests' workers (``clean_env``), not with whatever the first worker started has."""
-    if os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1":
-        _forkserver.get().start_server(clean_env())
+    the tests' workers (``clean_env``), not with whatever the first worker started has; and
+    wait for its import of torch (a first task waits for it), so that no test's time limit
+    pays for it."""
+    if os.environ.get("TD_TEST_FRESH_INTERPRETERS") == "1" or _forkserver_ready:
+        return
+    env = clean_env()
+    tasks = _forkserver.get()
+    tasks.start_server(env)
+    if tasks.why_not([sys.executable, "-u", "-c", "pass"], env) is None:
+        with open(os.devnull, "w") as devnull:
+            tasks.start([sys.executable, "-u", "-c", "pass"], env, stdout=devnull.fileno(),
+                        stderr=devnull.fileno()).wait(timeout=600)
+    _forkserver_ready.append(True)
 
 
 class Processes:
