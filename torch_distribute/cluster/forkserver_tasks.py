@@ -3,7 +3,7 @@
 A fresh interpreter spends about 4 s of CPU importing ``torch`` and ``torch._dynamo`` before
 a worker script does anything; a launcher that starts and restarts workers pays it for each.
 ``ForkserverTasks`` starts them instead as ``multiprocessing`` processes of the
-``"forkserver"`` context, whose server imports those modules once
+``"forkserver"`` context, whose server imports those modules (and this package) once
 (``multiprocessing.set_forkserver_preload``). The forked task then becomes the worker as
 ``python -u SCRIPT ARGS`` (or ``-m MODULE``, ``-c CODE``) would be: a session of its own, the
 stdout and stderr it was handed (unbuffered), stdin from /dev/null, its working directory,
@@ -56,8 +56,10 @@ from typing import Any
 
 __all__ = ["DEFAULT_PRELOAD", "ForkedTask", "ForkserverTasks"]
 
-#: What the server imports before it forks: what every worker would import first.
-DEFAULT_PRELOAD = ("torch", "torch._dynamo")
+#: What the server imports before it forks: what every worker would import first (importing
+#: this package changes nothing in torch or the process; what it reads at import,
+#: ``TD_LOG_LEVEL``, is a start-up variable below).
+DEFAULT_PRELOAD = ("torch", "torch._dynamo", "torch_distribute")
 #: Environment variables read while Python, torch and this package start (prefixes): a
 #: task whose environment differs from the server's in one of them is not forked.
 _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "LD_",

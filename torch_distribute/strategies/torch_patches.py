@@ -183,7 +183,7 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
            "step on every worker", "preemption is a signal", "BackupAndRestore, in the main thread",
            "never: the process is meant to end after the save", "torch_distribute.fault_tolerance"),
     Change("multiprocessing's forkserver: set_forkserver_preload, and the server started",
-           "the preload list set to torch and torch._dynamo, and the process's forkserver started with "
+           "the preload list set to torch, torch._dynamo and torch_distribute, and the process's forkserver started with "
            "the start-up variables of the first task it forks (os.environ holds them for that moment: "
            "multiprocessing starts the server with it)",
            "multiprocessing keeps one forkserver per process, configured process-wide",
