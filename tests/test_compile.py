@@ -184,9 +184,9 @@ def test_the_replica_threads_meeting_in_a_merge_is_never_traced():
     ``ReplicaThreads.merge_call``, and the last to arrive runs the merge function for all of
     them. That bookkeeping (each replica's state, whose turn it is) and those values are shared
     with the other threads, which change them while one thread's frame is traced, so dynamo
-    must trace none of it (on torch 2.14 a long process met "Guard failed on the same frame it
-    was created" in such a frame). They run eagerly, whether the replicas take turns or run
-    together, and the sums stay exact."""
+    must trace none of it (guards on such state fail as it changes: "Guard failed on the same
+    frame it was created", met on torch 2.14 in a long process). They run eagerly, whether the
+    replicas take turns or run together, and the sums stay exact."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from torch_distribute.collectives.cross_device_ops import CrossDeviceOps

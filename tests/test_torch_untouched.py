@@ -231,10 +231,8 @@ def _resolve(dotted: str) -> Any:
 TABLE = torch_patches.PATCHES + torch_patches.PROCESS_SETTINGS + torch_patches.TORCH_HOOKS_USED
 
 
-def _found_as_recorded(target: str | None, signature: str | None) -> bool:
-    """Whether the installed torch has ``target`` (None: has nothing there) with ``signature``."""
-    if target is None:
-        return True
+def _found_as_recorded(target: str, signature: str | None) -> bool:
+    """Whether the installed torch has ``target`` with ``signature``."""
     try:
         found = _resolve(target)
     except (ImportError, AttributeError):
@@ -251,19 +249,10 @@ def test_every_torch_target_still_exists_with_the_recorded_call_shape(change: to
         f"{torch_patches.TORCH_VERSIONS_CHECKED}): review {change.code} and the table")
 
 
-def _recompile_limit_name() -> str:
-    """dynamo's per-code graph limit: ``recompile_limit``, ``cache_size_limit`` on torch 2.6."""
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 def test_the_targets_that_are_not_functions_are_what_the_table_says() -> None:
-    assert isinstance(_resolve(f"torch._dynamo.config.{_recompile_limit_name()}"), int)
-    try:
-        logger = _resolve("torch._inductor.cudagraph_utils.cudagraphs_log")
-    except AttributeError:  # torch 2.6 had none (the table's ``older``), 2.13 on have it
-        assert torch.__version__ < "2.13"
-    else:
-        assert isinstance(logger, logging.Logger) and logger.name == "torch._inductor.cudagraph_utils.__cudagraphs"
+    assert isinstance(_resolve("torch._dynamo.config.recompile_limit"), int)
+    logger = _resolve("torch._inductor.cudagraph_utils.cudagraphs_log")
+    assert isinstance(logger, logging.Logger) and logger.name == "torch._inductor.cudagraph_utils.__cudagraphs"
     assert callable(_resolve("torch.set_num_threads"))
     spec = importlib.util.find_spec("torch._dynamo")
     assert spec is not None and callable(getattr(spec.loader, "exec_module", None))
@@ -303,12 +292,12 @@ def test_td_function_changes_torch_logging_and_dynamo_only_while_one_that_compil
     add_one(torch.ones(2))  # the first call learns that it calls no strategy.run
     assert torch.equal(add_one(torch.ones(2)), torch.full((2,), 2.0))  # compiled
     assert cudagraph_log.handlers.count(ours) == 1
-    config, name = torch._dynamo.config, _recompile_limit_name()
-    limit = getattr(config, name)
+    config = torch._dynamo.config
+    limit = config.recompile_limit
     compiled_function._settings.allow_graphs_for(limit)  # what strategy.run asks for that many replicas
-    assert getattr(config, name) > limit
+    assert config.recompile_limit > limit
     del add_one
     for _ in range(3):
         gc.collect()
     assert (ours in cudagraph_log.handlers) is others
-    assert (getattr(config, name) == limit) is not others
+    assert (config.recompile_limit == limit) is not others

@@ -238,8 +238,8 @@ class ReplicaThreads:
     # -- merge_call ---------------------------------------------------------------------------
     # Never traced, nor what it runs: a compiled replica step's graph ends before it. Its
     # bookkeeping, and the merge function the last replica runs for all, read what the other
-    # replica threads change meanwhile; a trace's guards on them failed as they changed (dynamo's
-    # "Guard failed on the same frame it was created", torch 2.14).
+    # replica threads change meanwhile, so guards on them can fail as they change (dynamo's
+    # "Guard failed on the same frame it was created", met on torch 2.14).
     @never_compiled
     def merge_call(self, local_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         stream = self._streams[local_id]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 #: The torch versions on which every ``torch_target`` and ``signature`` below was checked: the
 #: oldest supported (pyproject's ``torch>=``), the local CPU build, the newest the index serves.
-TORCH_VERSIONS_CHECKED = ("2.6", "2.13", "2.14")
+TORCH_VERSIONS_CHECKED = ("2.11", "2.13", "2.14")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Change:
     torch_target: str | None = None  #: what in torch it relies on (dotted), if anything
     signature: str | None = None  #: ``call_shape(torch_target)`` on the newest version checked
     #: ``(torch_target, signature)`` on the oldest version checked, where they differ (the code
-    #: handles both); a target of None: torch had none then.
-    older: tuple[str | None, str | None] | None = None
+    #: handles both).
+    older: tuple[str, str | None] | None = None
 
 
 _STRATEGY = "when the first strategy other than the default one is made (strategy_created)"
@@ -85,9 +85,7 @@ PATCHES: tuple[Change, ...] = (
     Change("torch.optim.lr_scheduler.LRScheduler.__init__", "wrapped: a scheduler of a captured "
            "optimizer goes to extended.capture_scheduler, its step rebound where steps are routed",
            "torch has no hook that fires when a scheduler is constructed", _STRATEGY, _LAST_STRATEGY,
-           _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)",
-           older=("torch.optim.lr_scheduler.LRScheduler.__init__",
-                  "(self, optimizer, last_epoch=-1, verbose='deprecated')")),
+           _INTERCEPTION, "torch.optim.lr_scheduler.LRScheduler.__init__", "(self, optimizer, last_epoch=-1)"),
     *(Change(f"torch.amp.GradScaler.{name}", "wrapped: inside run with several replicas it runs once, "
              "in a merge_call, after extended.apply_to_global_gradients",
              f"GradScaler.{name} {_ACROSS_REPLICAS} (one scale, one decision to skip)", _STRATEGY,
@@ -135,16 +133,14 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
            "when the first td.function compiles",
            "when the last td.function that compiled is garbage-collected (dynamo's cache may hold its "
            "backend as long as the compiled code lives)", "torch_distribute.compiled_function",
-           "torch._inductor.cudagraph_utils.cudagraphs_log",
-           older=(None, None)),  # torch 2.6 logs the reasons as perf hints: no warning there
+           "torch._inductor.cudagraph_utils.cudagraphs_log"),
     Change("torch._dynamo.config.recompile_limit", "raised to 8 graphs per replica: each replica's "
            "step compiles a graph of its own",
            "torch.compile takes no per-call limit, and torch._dynamo.config.patch sets the process-wide "
            "value while it lasts, which replica threads compiling at once would undo under each other",
            "when td.function first runs strategy.run with more replicas than the limit allows",
            "put back when the last td.function that compiled is garbage-collected, if nobody changed it "
-           "since", "torch_distribute.compiled_function", "torch._dynamo.config.recompile_limit",
-           older=("torch._dynamo.config.cache_size_limit", None)),
+           "since", "torch_distribute.compiled_function", "torch._dynamo.config.recompile_limit"),
     Change("atexit: collectives.store_threads._end_before_teardown", "registered once: at exit, wakes "
            "(or else ends the process before) a store call still blocked, which would abort the "
            "interpreter's teardown", "an exit-time action; registered before the first group's own "
