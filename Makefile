@@ -66,8 +66,8 @@ test: setup
 # version of MATRIX_TORCH in a venv of its own, .venv-torch-VERSION (kept for the next run), with
 # the package and its test extra, then the in-process pass in one long process (what a user's
 # long-lived training process meets) and the process pass. Not part of `make test` or CI: a
-# torch other than the local CPU build is a CUDA wheel of several GB from the package index.
-MATRIX_TORCH ?= 2.11.0 2.14.1
+# torch other than the local CPU build (2.13.0) is a CUDA wheel of several GB from the package index.
+MATRIX_TORCH ?= 2.13.0 2.14.1
 test-matrix:
 	@set -e; for version in $(MATRIX_TORCH); do \
 	  venv=.venv-torch-$$version; \

@@ -6,9 +6,8 @@ is made when the feature that needs it is first used (``installed``) and undone,
 sound, when its last user is gone (``undone`` says when, or why not). Where torch has a public
 hook, that is used instead (``TORCH_HOOKS_USED``); ``PATCHES`` are the torch objects replaced
 because it has none. ``torch_target`` and ``signature`` are what each relies on in torch, as
-found on the newest of the versions in ``TORCH_VERSIONS_CHECKED`` (``older``: where the oldest
-differs, and the code handles both): the test of this table compares them with the installed
-torch, so an upgrade that changes them fails in CI, not in a user's run.
+found on the versions in ``TORCH_VERSIONS_CHECKED``: the test of this table compares them with
+the installed torch, so an upgrade that changes them fails in CI, not in a user's run.
 
 The strategy's patches (``interception.py``) are installed by ``strategy_created``, which
 ``Strategy.__init__`` calls, when the first strategy other than the default one is made, and
@@ -39,8 +38,8 @@ if TYPE_CHECKING:
     from torch_distribute.context import StrategyLike
 
 #: The torch versions on which every ``torch_target`` and ``signature`` below was checked: the
-#: oldest supported (pyproject's ``torch>=``), the local CPU build, the newest the index serves.
-TORCH_VERSIONS_CHECKED = ("2.11", "2.13", "2.14")
+#: oldest supported (pyproject's ``torch>=``, the local CPU build) and the newest the index serves.
+TORCH_VERSIONS_CHECKED = ("2.13", "2.14")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +57,7 @@ class Change:
     undone: str  #: when it is undone, or why it is not
     code: str  #: the module that makes it
     torch_target: str | None = None  #: what in torch it relies on (dotted), if anything
-    signature: str | None = None  #: ``call_shape(torch_target)`` on the newest version checked
-    #: ``(torch_target, signature)`` on the oldest version checked, where they differ (the code
-    #: handles both).
-    older: tuple[str, str | None] | None = None
+    signature: str | None = None  #: ``call_shape(torch_target)`` on the versions checked
 
 
 _STRATEGY = "when the first strategy other than the default one is made (strategy_created)"
@@ -213,8 +209,7 @@ TORCH_HOOKS_USED: tuple[Change, ...] = (
            "torch.compile refuses mode and options together; its own backend object takes both "
            "(private: checked here)", "per torch.compile call", "nothing to undo",
            "torch_distribute.compiled_function", "torch._TorchCompileInductorWrapper.__init__",
-           "(self, mode, options, dynamic, name=None)", older=("torch._TorchCompileInductorWrapper.__init__",
-                                                              "(self, mode, options, dynamic)")),
+           "(self, mode, options, dynamic, name=None)"),
 )
 
 
