@@ -71,6 +71,7 @@ _PR_SET_PDEATHSIG = 1
 # The process has one forkserver: what it was started with, for every ForkserverTasks.
 _server_lock = threading.Lock()
 _server_env: dict[str, str] | None = None  # its start-up variables, once started
+_fresh_path_found: list[str] | None = None  # sys.path[1:] of a fresh interpreter, asked once
 
 
 def _start_time_variables(env: Mapping[str, str]) -> dict[str, str]:
@@ -134,7 +135,6 @@ class ForkserverTasks:
     def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD) -> None:
         self.preload = list(preload)
         self._context = multiprocessing.get_context("forkserver")
-        self._default_path: list[str] | None = None
 
     def start_server(self, env: Mapping[str, str]) -> dict[str, str]:
         """Start the process's forkserver now with ``env``'s start-up variables, unless it
@@ -175,20 +175,22 @@ class ForkserverTasks:
         ``env``'s start-up variables. Raises ``OSError`` when the server cannot start or fork."""
         self.start_server(env)
         task_args = (list(command[2:]), dict(env), cwd if cwd is not None else os.getcwd(),
-                     self._fresh_path(), _PassedFd(stdout), _PassedFd(stderr))
+                     _fresh_path(), _PassedFd(stdout), _PassedFd(stderr))
         process = self._context.Process(target=_run_task, args=task_args, name=f"td-task-{command[2]}")
         process.start()
         return ForkedTask(process, command)
 
-    def _fresh_path(self) -> list[str]:
-        """``sys.path`` after its first entry in a fresh interpreter without ``PYTHONPATH``
-        (site-packages and what ``.pth`` files add), asked of one once."""
-        if self._default_path is None:
-            clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            output = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
-                                    env=clean, capture_output=True, check=True, text=True, timeout=60).stdout
-            self._default_path = list(json.loads(output))
-        return self._default_path
+
+def _fresh_path() -> list[str]:
+    """``sys.path`` after its first entry in a fresh interpreter without ``PYTHONPATH``
+    (site-packages and what ``.pth`` files add), asked of one once per process."""
+    global _fresh_path_found
+    if _fresh_path_found is None:
+        clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        output = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                                env=clean, capture_output=True, check=True, text=True, timeout=60).stdout
+        _fresh_path_found = list(json.loads(output))
+    return _fresh_path_found
 
 
 @contextlib.contextmanager
