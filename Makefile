@@ -15,7 +15,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck docs docs-serve bench gpu-report clean
+.PHONY: setup demo test test-matrix lint typecheck docs docs-serve bench gpu-report clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,25 @@ test: setup
 	$(PY) -m compileall -q torch_distribute tests examples benchmarks > /dev/null
 	$(PY) -m pytest -q -m "not serial" -n 2 --dist loadgroup
 	$(PY) -m pytest -q -m serial -n 2 --dist loadfile
+
+# The supported torch range, tested at its ends (pyproject's `torch>=` is the oldest): each
+# version of MATRIX_TORCH in a venv of its own, .venv-torch-VERSION (kept for the next run), with
+# the package and its test extra, then the in-process pass in one long process (what a user's
+# long-lived training process meets) and the process pass. Not part of `make test` or CI: a
+# torch other than the local CPU build (2.13.0) is a CUDA wheel of several GB from the package index.
+MATRIX_TORCH ?= 2.13.0 2.14.1
+test-matrix:
+	@set -e; for version in $(MATRIX_TORCH); do \
+	  venv=.venv-torch-$$version; \
+	  test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
+	  $$venv/bin/python -m pip install -q --upgrade pip uv; \
+	  $$venv/bin/python -m pip install -q "torch==$$version"; \
+	  $$venv/bin/uv pip install --python $$venv/bin/python --quiet --compile-bytecode -e ".[test]" "torch==$$version"; \
+	  echo "== torch $$version: in-process pass (one process)"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not serial" -n 0; \
+	  echo "== torch $$version: process pass"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m serial -n 2 --dist loadfile; \
+	done
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -16,13 +16,12 @@ the longest declared timeout first: ``make test`` hands the in-process tests to 
 workers a few at a time in this order (``--dist loadgroup``), so the slow ones run side by side
 at the start instead of ending the pass alone on one worker.
 
-``torch-distribute launch`` and the parameter-server clusters (``local_cluster``,
-``create_in_process_cluster``) fork their workers from an interpreter that imported torch once
-(``TD_START_METHOD=preloaded``, set here for every process the tests start) unless
-``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start methods themselves name theirs. Before
-the first serial test, this process starts one such interpreter (``proc_helpers``) and names it
-in ``TD_PRELOADED_SERVER``: every launch the tests make forks from it instead of importing torch
-in a server of its own.
+``torch-distribute launch`` and ``local_cluster`` fork their workers from Python's forkserver,
+which imported torch once (``TD_START_METHOD=forkserver``, set here for every process the tests
+start) unless ``TD_TEST_FRESH_INTERPRETERS=1``; the tests of the start methods themselves name
+theirs. The workers the tests start themselves fork from this process's own forkserver
+(``proc_helpers``); before a serial test this process's environment gets what those workers'
+start-up environment holds (``WORKER_START_ENV``), so that launches made with it agree too.
 """
 
 from __future__ import annotations
@@ -36,13 +35,11 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from proc_helpers import WORKER_START_ENV, share_preloaded_interpreter
-
-from torch_distribute.cluster.preloaded_interpreter import SHARED_SERVER_ENV
+from proc_helpers import WORKER_START_ENV, start_forkserver
 
 FRESH_INTERPRETERS = os.environ.get("TD_TEST_FRESH_INTERPRETERS") == "1"
 if not FRESH_INTERPRETERS:
-    os.environ.setdefault("TD_START_METHOD", "preloaded")
+    os.environ.setdefault("TD_START_METHOD", "forkserver")
 
 STARTS_PROCESSES = re.compile(
     r"\b(subprocess|Popen|proc_helpers|mw_helpers|multiprocessing|run_local_cluster"
@@ -141,14 +138,12 @@ def _start_order(item: pytest.Item) -> tuple[bool, float]:
 
 
 @pytest.fixture(autouse=True)
-def _shared_preloaded_interpreter(request: pytest.FixtureRequest) -> None:
+def _worker_start_environment(request: pytest.FixtureRequest) -> None:
     if not FRESH_INTERPRETERS and request.node.get_closest_marker("serial") is not None:
         # What the tests' workers get (clean_env): with it here, the launches the tests make
-        # with this process's environment agree with the shared interpreter too. Started
-        # again where an earlier test's import changed a variable it compares (scikit-learn
-        # sets KMP_*).
+        # with this process's environment fork their workers too.
         os.environ.update(WORKER_START_ENV)
-        os.environ[SHARED_SERVER_ENV] = share_preloaded_interpreter()
+        start_forkserver()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -5,20 +5,18 @@ the test kills it, its process group and every descendant (found through /proc, 
 launcher's children cannot escape). No pytest and no torch at import: worker scripts import
 this module too (through ``mw_helpers`` and ``multiworker/fs_model``).
 
-A Python worker the tests start themselves is forked from an interpreter that imported torch
-once (the library's ``PreloadedInterpreter``), unless its environment differs in what torch
-reads at import: ``import torch`` and ``torch._dynamo`` cost about 4 s of CPU per process,
-most of what the suite's hundreds of short worker processes spent on a 2-core machine.
-``torch-distribute launch`` and the parameter-server clusters run with
-``start_method="preloaded"`` too (``TD_START_METHOD``, set in ``conftest.py``), and fork from
-the same interpreter (``TD_PRELOADED_SERVER``, also set there, before a serial test); torchrun,
-mpirun and srun start fresh interpreters, and ``TD_TEST_FRESH_INTERPRETERS=1`` makes every
-worker one.
+A Python worker the tests start themselves is forked by this process's forkserver, which
+imported torch once (the library's ``ForkserverTasks``), unless its environment differs in what
+torch reads at import: ``import torch`` and ``torch._dynamo`` cost about 4 s of CPU per
+process, most of what the suite's hundreds of short worker processes spent on a 2-core machine.
+``torch-distribute launch`` and ``local_cluster`` run with ``start_method="forkserver"`` too
+(``TD_START_METHOD``, set in ``conftest.py``), each with a forkserver of its own; torchrun,
+mpirun, srun and ``create_in_process_cluster`` start fresh interpreters, and
+``TD_TEST_FRESH_INTERPRETERS=1`` makes every worker one.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -32,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch_distribute.cluster.preloaded_interpreter import ForkedProcess
+    from torch_distribute.cluster.forkserver_tasks import ForkedTask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +70,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(proc: subprocess.Popen | ForkedProcess) -> None:
+def kill_tree(proc: subprocess.Popen | ForkedTask) -> None:
     """SIGKILL ``proc`` (if it still runs), its process group and every descendant; reap it.
 
     Works on stopped (SIGSTOP) processes too. A process that already exited is left alone:
@@ -114,64 +112,69 @@ def meet(directory: str, name: str, count: int, limit: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-class _Preloaded:
-    """This process's preloaded interpreter (``torch_distribute/cluster/preloaded_interpreter.py``,
-    started on first use, gone with this process), for the workers the tests start themselves."""
+class _Forkserver:
+    """This process's forkserver (``torch_distribute/cluster/forkserver_tasks.py``, started
+    on first use, gone with this process), for the workers the tests start themselves."""
 
     def __init__(self) -> None:
-        self._interpreter = None
+        self._tasks = None
 
     def get(self):
-        if self._interpreter is None:
-            from torch_distribute.cluster.preloaded_interpreter import PreloadedInterpreter
+        if self._tasks is None:
+            from torch_distribute.cluster.forkserver_tasks import ForkserverTasks
 
-            self._interpreter = PreloadedInterpreter()
-            atexit.register(self._interpreter.close)  # its socket's directory too
-        return self._interpreter
-
-    def share(self) -> str:
-        """Start the server now, with the start-up environment of the tests' workers
-        (``clean_env``), and return its address: launchers the tests start fork their workers
-        from it too (``TD_PRELOADED_SERVER``) instead of importing torch in a server of their own."""
-        env, interpreter = clean_env(), self.get()
-        if not interpreter.can_start([sys.executable, "-u", "-c", "pass"], env):
-            interpreter.close()  # this process's environment changed since (an import set a variable)
-        return interpreter.start_server(env)
+            self._tasks = ForkserverTasks()
+        return self._tasks
 
     def usable_for(self, command: list[str], env: dict[str, str]) -> bool:
-        return os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1" and self.get().can_start(command, env)
+        return os.environ.get("TD_TEST_FRESH_INTERPRETERS") != "1" and self.get().why_not(command, env) is None
 
 
-_preloaded = _Preloaded()
+_forkserver = _Forkserver()
 
 
-def share_preloaded_interpreter() -> str:
-    """The address of this process's preloaded interpreter, started now if need be."""
-    return _preloaded.share()
+_forkserver_ready: list[bool] = []
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver now (unless it runs) with the start-up environment of
+    the tests' workers (``clean_env``), not with whatever the first worker started has; and
+    wait for its import of torch (a first task waits for it), so that no test's time limit
+    pays for it."""
+    if os.environ.get("TD_TEST_FRESH_INTERPRETERS") == "1" or _forkserver_ready:
+        return
+    env = clean_env()
+    tasks = _forkserver.get()
+    tasks.start_server(env)
+    if tasks.why_not([sys.executable, "-u", "-c", "pass"], env) is None:
+        with open(os.devnull, "w") as devnull:
+            tasks.start([sys.executable, "-u", "-c", "pass"], env, stdout=devnull.fileno(),
+                        stderr=devnull.fileno()).wait(timeout=600)
+    _forkserver_ready.append(True)
 
 
 class Processes:
     """Python processes in their own sessions, output to files; all killed by ``kill_all``.
 
-    A Python worker is forked from an interpreter that imported torch once (the library's
-    ``PreloadedInterpreter``) where its command line and environment allow, else started
+    A Python worker is forked by this process's forkserver, which imported torch once (the
+    library's ``ForkserverTasks``), where its command line and environment allow, else started
     fresh, as with ``TD_TEST_FRESH_INTERPRETERS=1``."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
-        self.procs: list[subprocess.Popen | ForkedProcess] = []
+        self.procs: list[subprocess.Popen | ForkedTask] = []
         self.logs: list[Path] = []
 
     def spawn(self, argv: list[str], env: dict[str, str], name: str,
-              python: bool = True) -> subprocess.Popen | ForkedProcess:
+              python: bool = True) -> subprocess.Popen | ForkedTask:
         """``python -u *argv`` (``argv`` itself with ``python=False``: a launcher such as
         ``mpirun``) from the repository root, output to ``log_dir/<n>-<name>.log``."""
         log = self.log_dir / f"{len(self.procs)}-{name}.log"
         command = [sys.executable, "-u", *argv] if python else list(argv)
         with open(log, "w") as out:
-            if python and _preloaded.usable_for(command, env):
-                proc = _preloaded.get().start(command, env, stdout=out.fileno(), stderr=out.fileno(),
-                                              cwd=str(REPO))
+            if python and _forkserver.usable_for(command, env):
+                proc = _forkserver.get().start(command, env, stdout=out.fileno(), stderr=out.fileno(),
+                                               cwd=str(REPO))
             else:
                 proc = subprocess.Popen(command, env=env, cwd=REPO,
                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -184,10 +187,10 @@ class Processes:
         """A fresh directory for the workers of one job to :func:`meet` in."""
         return tempfile.mkdtemp(prefix="meet_", dir=self.log_dir)
 
-    def output(self, proc: subprocess.Popen | ForkedProcess) -> str:
+    def output(self, proc: subprocess.Popen | ForkedTask) -> str:
         return self.logs[self.procs.index(proc)].read_text(errors="replace")
 
-    def wait(self, proc: subprocess.Popen | ForkedProcess, limit: float) -> int | None:
+    def wait(self, proc: subprocess.Popen | ForkedTask, limit: float) -> int | None:
         """Exit status, or None if ``proc`` still runs after ``limit`` seconds."""
         try:
             return proc.wait(timeout=max(0.0, limit))

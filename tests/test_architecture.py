@@ -43,9 +43,13 @@ ALLOWED = {
     ("checkpoint/sharded_io.py", "_fields"),  # namedtuple's public protocol
     ("eager.py", "_torchdynamo_disable"),  # the mark dynamo reads on disabled functions
     ("collectives/store_threads.py", "_exit"),  # os._exit: leaving before a teardown that would abort
-    ("cluster/preloaded_interpreter.py", "_exit"),  # os._exit: a forked server's child, its server
+    # A task forked by the forkserver ends as an interpreter does (threading._shutdown,
+    # atexit._run_exitfuncs, os._exit), never returning into multiprocessing's bootstrap.
+    *(("cluster/forkserver_tasks.py", name) for name in ("_exit", "_shutdown", "_run_exitfuncs")),
     # What ``python -m`` calls: run_module would run the module in a temporary __main__.
-    ("cluster/preloaded_interpreter.py", "_run_module_as_main"),
+    ("cluster/forkserver_tasks.py", "_run_module_as_main"),
+    # The forkserver's "alive" pipe, which multiprocessing hands every task: closed in the task.
+    *(("cluster/forkserver_tasks.py", name) for name in ("_forkserver", "_forkserver_alive_fd", "_inherited_fds")),
     # Autograd nodes' saved values, torch's documented way to read a graph (``grad_fn._saved_*``).
     *(("strategies/loss_scaling.py", name) for name in (
         "_saved_dim", "_saved_self_sym_sizes", "_saved_self", "_saved_other", "_saved_reduction")),

@@ -19,8 +19,7 @@ def test_version_flag_and_the_installed_metadata_agree(capsys):
     assert importlib.metadata.version("torch-distribute") == td.__version__
 
 
-@pytest.mark.parametrize("command", [["devices"], ["version"], ["checkpoint"], ["checkpoint", "convert"],
-                                     ["preload"]])
+@pytest.mark.parametrize("command", [["devices"], ["version"], ["checkpoint"], ["checkpoint", "convert"]])
 def test_every_subcommand_has_a_description(command, capsys):
     with pytest.raises(SystemExit):
         main([*command, "-h"])

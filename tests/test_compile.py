@@ -179,6 +179,41 @@ def test_replicas_take_turns_in_a_compiled_steps_runs_whose_inputs_change_kind()
             assert order == turns, rows
 
 
+def test_the_replica_threads_meeting_in_a_merge_is_never_traced():
+    """A compiled replica step's ``all_reduce`` meets the other replica threads in
+    ``ReplicaThreads.merge_call``, and the last to arrive runs the merge function for all of
+    them. That bookkeeping (each replica's state, whose turn it is) and those values are shared
+    with the other threads, which change them while one thread's frame is traced, so dynamo
+    must trace none of it (guards on such state fail as it changes: "Guard failed on the same
+    frame it was created", met on torch 2.14 in a long process). They run eagerly, whether the
+    replicas take turns or run together, and the sums stay exact."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from torch_distribute.collectives.cross_device_ops import CrossDeviceOps
+    from torch_distribute.strategies.replica_threads import ReplicaThreads
+    from torch_distribute.strategies.replicated import ReplicatedExtended
+    from torch_distribute.values import regroup
+
+    torch._dynamo.reset()  # the caches of earlier tests' compiled frames
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+
+    def replica_step(x):
+        return td.get_replica_context().all_reduce("sum", (x * 2).sum()) + 1
+
+    @td.function
+    def step(x):
+        return strategy.run(replica_step, args=(x,))
+
+    for rows in (4, 4, 6, 6):  # a new kind (turns), the same kind (together), twice
+        (x,) = strategy.experimental_distribute_dataset([torch.ones(rows, 2)])
+        assert [float(v) for v in strategy.experimental_local_results(step(x))] == [4 * rows + 1] * 2
+    merge_side = [getattr(ReplicaThreads.merge_call, "__wrapped__", ReplicaThreads.merge_call),
+                  ReplicaThreads._merge, CrossDeviceOps.batch_reduce, CrossDeviceOps.broadcast,
+                  ReplicatedExtended.broadcast_locally, regroup]
+    compiled = [f.__qualname__ for f in merge_side if _debug_get_cache_entry_list(f.__code__)]
+    assert compiled == []
+
+
 @pytest.mark.parametrize("replica_1", ["raises", "skips the merge"])
 def test_a_replica_that_fails_while_replicas_take_turns_is_named_and_hangs_nothing(replica_1):
     strategy = td.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])

@@ -4,7 +4,7 @@ Workers are tiny Python scripts written to ``tmp_path`` (no torch.distributed): 
 their environment, sleep, or exit with a code. Every test is bounded in time and checks
 that no worker process outlives the launcher. The launcher's default start (fresh
 interpreters) runs them; the tests taking ``start_method`` run again with the workers forked
-from the preloaded interpreter, whose start (torch's import) their time limits allow for.
+by Python's forkserver, whose start (torch's import) their time limits allow for.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from torch_distribute.cluster import launcher as L
-from torch_distribute.cluster.preloaded_interpreter import SHARED_SERVER_ENV, PreloadedInterpreter
+from torch_distribute.cluster.forkserver_tasks import ForkserverTasks
+from torch_distribute.cluster.supervisor import ProcessSupervisor
 from torch_distribute.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
@@ -89,15 +90,15 @@ def _kill_quietly(*pids: int) -> None:
             pass
 
 
-#: How much longer a launch may take to start its workers (the preloaded interpreter's import
-#: of torch, on a loaded 2-core machine).
-STARTUP_S = {"fresh": 0.0, "preloaded": 20.0}
-BOTH_START_METHODS = pytest.mark.parametrize("start_method", ["fresh", "preloaded"])
+#: How much longer a launch may take to start its workers (the forkserver's import of torch,
+#: on a loaded 2-core machine).
+STARTUP_S = {"fresh": 0.0, "forkserver": 20.0}
+BOTH_START_METHODS = pytest.mark.parametrize("start_method", ["fresh", "forkserver"])
 
 
 @pytest.fixture(autouse=True)
 def _fresh_unless_named(monkeypatch):
-    """The default start method (the suite's conftest sets ``preloaded`` for other tests)."""
+    """The default start method (the suite's conftest sets ``forkserver`` for other tests)."""
     monkeypatch.delenv("TD_START_METHOD", raising=False)
 
 
@@ -557,43 +558,32 @@ PROCESS_VIEW = """
 
 @pytest.mark.timeout(120)
 def test_a_forked_worker_sees_what_a_fresh_interpreter_shows(tmp_path):
-    """The same script under both start methods: the same argv, __main__, sys.path[0], working
+    """The same script under both start methods: the same argv, __main__, sys.path, working
     directory, environment, stdin, session and exit status, a traceback without the
-    preloaded interpreter's frames and the exception left for atexit handlers
-    (``sys.last_value``); only whether torch is already imported differs. With a
-    ``PYTHONPATH`` the (shared) preloaded interpreter was started without: the same sys.path."""
+    forkserver's frames and the exception left for atexit handlers (``sys.last_value``); only
+    whether torch is already imported differs."""
     views, errors = {}, {}
-    (tmp_path / "on_the_path").mkdir()
-    python_path = os.pathsep.join(["relative/dir", str(tmp_path / "on_the_path"), "", "relative/dir"])
-    for start_method in ("fresh", "preloaded"):
+    for start_method in ("fresh", "forkserver"):
         out = tmp_path / start_method
         out.mkdir()
         script = _script(out, PROCESS_VIEW)
-        code, _, err, _ = _run([script, str(out)], 2, start_method=start_method,
-                               extra_env={"PYTHONPATH": python_path})
-        assert code == 1 and "not forking" not in err, err
+        code, _, err, _ = _run([script, str(out)], 2, start_method=start_method)
+        assert code == 1 and "not from the forkserver" not in err, err
         views[start_method] = [json.loads((out / f"view_{rank}.json").read_text()) for rank in (0, 1)]
         errors[start_method] = [line for line in err.splitlines() if line.startswith("[rank 1]")]
         assert (out / "ended_1").read_text() == "ValueError"
-    for fresh, forked in zip(views["fresh"], views["preloaded"], strict=True):
+    for fresh, forked in zip(views["fresh"], views["forkserver"], strict=True):
         assert (fresh.pop("torch_imported"), forked.pop("torch_imported")) == (False, True)
-        assert json.dumps(forked).replace("preloaded", "fresh") == json.dumps(fresh)
-    assert [line.replace("preloaded", "fresh") for line in errors["preloaded"]] == errors["fresh"]
+        assert json.dumps(forked).replace("forkserver", "fresh") == json.dumps(fresh)
+    assert [line.replace("forkserver", "fresh") for line in errors["forkserver"]] == errors["fresh"]
     assert errors["fresh"][0] == "[rank 1] Traceback (most recent call last):"
     assert errors["fresh"][-1] == "[rank 1] ValueError: raised by the script"
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("interpreter", ["own", "shared"])
-def test_preloaded_workers_end_with_a_killed_launcher(tmp_path, interpreter):
+def test_forked_workers_end_with_a_killed_launcher(tmp_path):
     """A launcher killed outright (SIGKILL: no chance to stop its workers) takes the workers
-    it forked with it: its own server sees its parent gone, a shared one (the suite's,
-    ``TD_PRELOADED_SERVER``) the launcher's connections close, within a second."""
-    env = dict(os.environ)
-    if interpreter == "own":
-        env.pop(SHARED_SERVER_ENV, None)
-    elif SHARED_SERVER_ENV not in env:
-        pytest.skip("TD_TEST_FRESH_INTERPRETERS=1: no shared preloaded interpreter")
+    it forked with it: its forkserver ends with it, and they with their parent."""
     script = _script(
         tmp_path,
         """
@@ -605,9 +595,9 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path, interpreter):
     )
     launcher = subprocess.Popen(
         [sys.executable, "-m", "torch_distribute.launch", "--nproc", "2", "--start-method",
-         "preloaded", script, str(tmp_path)],
+         "forkserver", script, str(tmp_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        start_new_session=True, env=env,
+        start_new_session=True,
     )
     pids: list[int] = []
     try:
@@ -620,6 +610,7 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path, interpreter):
         launcher.wait(timeout=10)
         for pid in pids:
             assert _gone(pid, within=10), f"worker {pid} outlived its launcher"
+        assert "not from the forkserver" not in launcher.stderr.read()
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -627,152 +618,25 @@ def test_preloaded_workers_end_with_a_killed_launcher(tmp_path, interpreter):
         _kill_quietly(*pids)
 
 
-PARENT_COMMAND_LINE = """
-    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
-        parent = f.read().decode(errors="replace")
-    publish(os.path.join(sys.argv[1], "parent_" + os.environ["RANK"]), parent)
-"""
+def test_what_keeps_a_task_from_being_forked_is_named():
+    """Another interpreter, an interpreter option, a start-up variable that differs from the
+    forkserver's (this process's one, started now unless it runs): such a task starts fresh."""
+    tasks = ForkserverTasks()
+    started = tasks.start_server({**os.environ, "OMP_NUM_THREADS": "1"})
+    python = [sys.executable, "-u"]
+    only = f"only `{sys.executable} -u script|-m module|-c code` is forked"
+    assert tasks.why_not(["/other/python", "-u", "x.py"], started) == only
+    assert tasks.why_not([*python, "-X", "dev", "x.py"], started) == only
+    assert tasks.why_not([*python, "-m"], started) == only
+    assert tasks.why_not([*python, "-m", "pkg.train"], {**started, "PATH": "/elsewhere", "RANK": "1"}) is None
+    threads = str(int(started.get("OMP_NUM_THREADS", "1")) + 1)
+    assert tasks.why_not([*python, "x.py"], {**started, "OMP_NUM_THREADS": threads}) == (
+        "its OMP_NUM_THREADS differs from the forkserver's")
 
 
-BLOCKED_SIGNALS = """
-    import signal
-    blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
-    publish(os.path.join(sys.argv[1], "blocked_" + os.environ["RANK"]), repr(blocked))
-"""
-
-
-def _launcher_worker_env(**changes: str) -> dict[str, str]:
-    """The start-up environment ``launch`` gives two workers, with ``changes``."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            **changes}
-
-
-@pytest.mark.timeout(60)
-def test_launches_fork_their_workers_from_a_shared_preloaded_interpreter(tmp_path, monkeypatch):
-    shared = PreloadedInterpreter(preload=())
-    try:
-        address = shared.start_server(_launcher_worker_env())
-        monkeypatch.setenv(SHARED_SERVER_ENV, address)
-        script = _script(tmp_path, PARENT_COMMAND_LINE)
-        for launch in range(2):
-            code, _, err, _ = _run([script, str(tmp_path)], 2, start_method="preloaded")
-            assert code == 0 and "not forking" not in err, err
-            for rank in (0, 1):
-                assert address in (tmp_path / f"parent_{rank}").read_text(), launch
-    finally:
-        shared.close()
-
-
-@pytest.mark.timeout(90)
-def test_a_launch_that_disagrees_with_the_shared_interpreter_forks_from_its_own(tmp_path, monkeypatch):
-    shared = PreloadedInterpreter(preload=())
-    try:
-        address = shared.start_server(_launcher_worker_env(OMP_NUM_THREADS="2"))
-        monkeypatch.setenv(SHARED_SERVER_ENV, address)
-        script = _script(tmp_path, PARENT_COMMAND_LINE)
-        code, _, err, _ = _run([script, str(tmp_path)], 2, start_method="preloaded",
-                               timeout=40 + STARTUP_S["preloaded"])
-        assert code == 0, err
-        assert err.count("not forking from $TD_PRELOADED_SERVER's interpreter (the workers' "
-                         "OMP_NUM_THREADS differs from its own): starting one of this launch's own") == 1, err
-        for rank in (0, 1):
-            parent = (tmp_path / f"parent_{rank}").read_text()
-            assert "td_preloaded_interpreter" in parent and address not in parent
-    finally:
-        shared.close()
-
-
-@pytest.mark.timeout(90)
-def test_the_preload_command_serves_the_launches_of_a_shell_until_ctrl_c(tmp_path, monkeypatch):
-    env = {name: value for name, value in os.environ.items() if name != SHARED_SERVER_ENV}
-    preload = subprocess.Popen([sys.executable, "-m", "torch_distribute.cli", "preload"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        export = preload.stdout.readline().split()
-        assert export[0] == "export", preload.stderr.read()
-        variables = dict(assignment.split("=", 1) for assignment in export[1:])
-        assert variables.keys() == {"TD_START_METHOD", SHARED_SERVER_ENV}
-        for name, value in variables.items():
-            monkeypatch.setenv(name, value)
-        script = _script(tmp_path, PARENT_COMMAND_LINE + BLOCKED_SIGNALS)
-        code, _, err, _ = _run([script, str(tmp_path)], 2)  # the start method from the environment
-        assert code == 0 and "not forking" not in err, err
-        for rank in (0, 1):
-            assert variables[SHARED_SERVER_ENV] in (tmp_path / f"parent_{rank}").read_text()
-            assert (tmp_path / f"blocked_{rank}").read_text() == "[]"  # SIGTERM reaches them
-        preload.send_signal(signal.SIGINT)
-        assert preload.wait(timeout=20) == 0
-        assert not os.path.exists(os.path.dirname(variables[SHARED_SERVER_ENV]))  # the server is gone
-    finally:
-        if preload.poll() is None:
-            os.killpg(preload.pid, signal.SIGKILL)
-            preload.wait()
-
-
-def _can_unshare_the_network() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "--net", "true"], capture_output=True).returncode == 0
-
-
-@pytest.mark.timeout(90)
-def test_a_launch_in_another_network_namespace_does_not_fork_from_the_shared_interpreter(tmp_path):
-    """A worker forked by a shared interpreter would live in that interpreter's namespaces,
-    cgroup and limits, not its launcher's (two hosts simulated with network namespaces, a
-    SLURM step's cgroup): such a launch starts an interpreter of its own, saying why."""
-    if SHARED_SERVER_ENV not in os.environ:
-        pytest.skip("TD_TEST_FRESH_INTERPRETERS=1: no shared preloaded interpreter")
-    if not _can_unshare_the_network():
-        pytest.skip("`unshare --net` is refused here (it needs root)")
-    script = _script(tmp_path, """
-        publish(os.path.join(sys.argv[1], "net_" + os.environ["RANK"]), os.readlink("/proc/self/ns/net"))
-    """)
-    launch = subprocess.run(
-        ["unshare", "--net", sys.executable, "-m", "torch_distribute.launch", "--nproc", "2",
-         "--start-method", "preloaded", script, str(tmp_path)],
-        capture_output=True, text=True, cwd=REPO, timeout=80)
-    assert launch.returncode == 0, launch.stderr
-    assert "(its net namespace differs from this process's)" in launch.stderr, launch.stderr
-    for rank in (0, 1):
-        assert (tmp_path / f"net_{rank}").read_text() != os.readlink("/proc/self/ns/net")
-
-
-def test_what_keeps_a_shared_interpreter_from_forking_a_worker_is_named(tmp_path):
-    """Its description (``socket.json`` beside the socket), altered, against the worker's
-    start-up environment and this process: a variable read at start-up that differs, a
-    ``PYTHONPATH`` of the worker's own that holds a module the interpreter imported from
-    elsewhere, another interpreter, another network namespace."""
-    server = PreloadedInterpreter(preload=())
-    try:
-        with open(server.start_server({**os.environ, "OMP_NUM_THREADS": "1"}) + ".json") as written:
-            description = json.load(written)
-    finally:
-        server.close()
-    lib = tmp_path / "lib"
-    (lib / "site").mkdir(parents=True)  # a namespace portion: yields to the standard library's
-    (lib / "json.py").write_text("")
-    address = str(tmp_path / "socket")
-
-    def mismatch(env, python=sys.executable, **changes):
-        Path(address + ".json").write_text(json.dumps({**description, **changes}))
-        return PreloadedInterpreter(python=python, shared=address).shared_mismatch({**os.environ, **env})
-
-    assert mismatch({"OMP_NUM_THREADS": "1", "PATH": "/elsewhere"}) is None
-    assert mismatch({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}) is None
-    assert mismatch({"OMP_NUM_THREADS": "2"}) == "the workers' OMP_NUM_THREADS differs from its own"
-    assert mismatch({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(lib)}, modules=["json", "site", "torch"]) == (
-        f"the workers' PYTHONPATH holds json ({lib}), which it imported from elsewhere")
-    assert mismatch({}, python="/other/python") == f"it runs {sys.executable}, the workers /other/python"
-    elsewhere = {**description["context"], "net namespace": "net:[1]"}
-    assert mismatch({"OMP_NUM_THREADS": "1"}, context=elsewhere) == "its net namespace differs from this process's"
-
-
-def test_a_shared_interpreter_that_is_gone_is_named():
-    interpreter = PreloadedInterpreter(shared="/nonexistent/td-preloaded/socket")
-    assert interpreter.shared_mismatch(dict(os.environ)).startswith(
-        "no preloaded interpreter answers at /nonexistent/td-preloaded/socket")
-
-
-def test_an_unknown_start_method_is_refused():
-    with pytest.raises(InvalidArgumentError, match="start_method must be one of fresh, preloaded, got 'forkserver'"):
-        L.launch(["x.py"], 1, start_method="forkserver")
+def test_an_unknown_start_method_is_refused_and_preloaded_is_forkserver():
+    with pytest.raises(InvalidArgumentError, match="start_method must be one of fresh, forkserver, got 'spawn'"):
+        L.launch(["x.py"], 1, start_method="spawn")
+    with pytest.warns(FutureWarning, match="start_method 'preloaded' is now 'forkserver'"):
+        supervisor = ProcessSupervisor(stdout=io.StringIO(), stderr=io.StringIO(), start_method="preloaded")
+    assert supervisor.forkserver is not None

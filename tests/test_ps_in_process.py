@@ -12,25 +12,13 @@ import pytest
 from proc_helpers import clean_env, processes
 
 import torch_distribute as td
-from torch_distribute.cluster.preloaded_interpreter import SHARED_SERVER_ENV
 
 JOB = os.path.join(os.path.dirname(__file__), "workers", "ps_in_process_job.py")
 
 
-def started_by_the_cluster(env: dict[str, str]) -> int:
-    """The processes the cluster starts: two workers, a parameter server, and, with
-    ``TD_START_METHOD=preloaded`` (the suite's default), the interpreter that forks them unless
-    the coordinator shares one (``TD_PRELOADED_SERVER``, also the suite's default)."""
-    own_interpreter = env.get("TD_START_METHOD") == "preloaded" and SHARED_SERVER_ENV not in env
-    return 3 + own_interpreter
-
-
-def coordinator_env(start_method: str) -> dict[str, str]:
-    """``fresh``, ``preloaded`` (a server of the coordinator's own), ``shared`` (the suite's)."""
-    env = clean_env(TD_START_METHOD="fresh" if start_method == "fresh" else "preloaded")
-    if start_method != "shared":
-        env.pop(SHARED_SERVER_ENV, None)
-    return env
+#: The processes the cluster starts: two workers and a parameter server (fresh interpreters,
+#: whatever ``TD_START_METHOD`` says).
+STARTED_BY_THE_CLUSTER = 3
 
 
 def _alive(pid: int) -> bool:
@@ -84,23 +72,20 @@ def test_tutorial_single_program_trains_and_leaves_no_child(tmp_path):
         text = procs.output(proc)
         assert code == 0, text[-4000:]
         pids = _line(text, "PIDS ")
-        assert len(pids) == started_by_the_cluster(env)
+        assert len(pids) == STARTED_BY_THE_CLUSTER
         _check_training(_line(text, "RESULT "))
         assert _wait_gone(pids, 5) == [], text[-4000:]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("end", ["sigkill"])  # also "raise", "sigterm": same paths as exit 0, SIGKILL
-@pytest.mark.parametrize("start_method", ["fresh", "preloaded", "shared"])
-def test_children_end_with_the_coordinator(tmp_path, end, start_method):
-    env = coordinator_env(start_method)
-    if start_method == "shared" and SHARED_SERVER_ENV not in env:
-        pytest.skip("TD_TEST_FRESH_INTERPRETERS=1: no shared preloaded interpreter")
+def test_children_end_with_the_coordinator(tmp_path, end):
+    env = clean_env()
     with processes(tmp_path) as procs:
         mode = "raise" if end == "raise" else "hang"
         proc = procs.spawn([JOB, "--end", mode], env, "coordinator")
         pids = _wait_for(procs, proc, "PIDS ", 60)
-        assert len(pids) == started_by_the_cluster(env)
+        assert len(pids) == STARTED_BY_THE_CLUSTER
         _check_training(_wait_for(procs, proc, "RESULT ", 90))
         if end == "raise":
             assert procs.wait(proc, 30) == 1

@@ -8,7 +8,7 @@ from torch_distribute.ps import transport
 
 def test_a_task_registering_the_moment_the_chief_listens_is_answered(monkeypatch):
     """The chief's entry points find its node as soon as its server accepts calls: a worker
-    started from a preloaded interpreter registered inside that window and was told "this task
+    forked by a forkserver (it starts fast) registered inside that window and was told "this task
     is not the chief"."""
     answers = []
     serve = transport._Node.serve

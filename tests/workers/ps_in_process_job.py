@@ -32,10 +32,8 @@ def parents() -> dict[int, int]:
     return found
 
 
-def started_by_the_cluster(siblings_before: set[int]) -> list[int]:
-    """Every process below this one (the tasks, and the preloaded interpreter that forked them
-    with ``TD_START_METHOD=preloaded``), and the new children of this one's parent: the tasks
-    when that parent is a preloaded interpreter this process shares (``TD_PRELOADED_SERVER``)."""
+def started_by_the_cluster() -> list[int]:
+    """Every process below this one: the tasks (fresh interpreters, its children)."""
     parent_of = parents()
     found, todo = [], [os.getpid()]
     while todo:
@@ -43,8 +41,7 @@ def started_by_the_cluster(siblings_before: set[int]) -> list[int]:
         below = [pid for pid, parent in parent_of.items() if parent == above]
         found += below
         todo += below
-    siblings = {pid for pid, parent in parent_of.items() if parent == os.getppid()}
-    return sorted(found + list(siblings - siblings_before - {os.getpid()}))
+    return sorted(found)
 
 
 if __name__ == "__main__":
@@ -52,9 +49,8 @@ if __name__ == "__main__":
     parser.add_argument("--end", choices=["normal", "raise", "hang"], default="normal")
     args = parser.parse_args()
 
-    siblings = {pid for pid, parent in parents().items() if parent == os.getppid()}
     cluster_resolver = td.ps.create_in_process_cluster(num_workers=2, num_ps=1)
-    print("PIDS " + json.dumps(started_by_the_cluster(siblings)), flush=True)
+    print("PIDS " + json.dumps(started_by_the_cluster()), flush=True)
     strategy = td.ParameterServerStrategy(cluster_resolver, startup_timeout=60)
     coordinator = td.coordinator.ClusterCoordinator(strategy)
 

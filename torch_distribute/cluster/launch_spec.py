@@ -454,11 +454,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     parser.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
                         help="with --min-workers: use this running lighthouse (torch-distribute lighthouse) "
                              "instead of starting one")
-    parser.add_argument("--start-method", choices=("fresh", "preloaded"), default=None,
+    parser.add_argument("--start-method", choices=("fresh", "forkserver", "preloaded"), default=None,
                         help="fresh: a new interpreter for each worker, as torchrun starts them; "
-                             "preloaded: fork the workers from an interpreter that imported torch "
-                             "once, so that starts and restarts skip its import (default: "
-                             "$TD_START_METHOD, else fresh)")
+                             "forkserver: fork the workers from Python's forkserver, which imported "
+                             "torch once, so that starts and restarts skip its import; preloaded: "
+                             "the old name of forkserver (default: $TD_START_METHOD, else fresh)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="run the target as a module, like python -m")
     parser.add_argument("script", metavar="script.py | module",

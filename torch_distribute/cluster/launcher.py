@@ -89,9 +89,9 @@ def launch(
     ``[rank R] ``; the launcher's own messages go to ``stderr``. ``extra_env`` is added to
     every worker's environment last. ``timeout`` (seconds, for tests) stops everything and
     returns 124 when it passes. ``start_method``: ``"fresh"`` starts a new interpreter for
-    each worker, as torchrun does; ``"preloaded"`` forks them from an interpreter that
-    imported torch once (starts and restarts skip torch's import); None reads
-    ``TD_START_METHOD`` (default fresh). ``min_workers``: a fault-tolerant job (see the
+    each worker, as torchrun does; ``"forkserver"`` forks them from the standard library's
+    forkserver, which imported torch once (starts and restarts skip torch's import); None
+    reads ``TD_START_METHOD`` (default fresh). ``min_workers``: a fault-tolerant job (see the
     module docstring); ``lighthouse``: a running lighthouse's ``host:port`` to use instead
     of starting one.
 

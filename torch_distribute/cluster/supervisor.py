@@ -16,13 +16,13 @@ runs one of two policies:
   worker that is lost (killed by a signal, or left after SIGTERM) is started again alone
   while the others go on; any other failure ends the job.
 
-With ``start_method="preloaded"`` (or ``TD_START_METHOD=preloaded``) a Python task (``sys.executable -u`` with a
-script, ``-m`` or ``-c``) is forked from an interpreter that imported torch once
-(``preloaded_interpreter.py``): its start and every restart skip torch's import, about 4 s
-of CPU each. Any other command, and the default ``start_method="fresh"``, starts a new
-process. Where ``TD_PRELOADED_SERVER`` names another process's preloaded interpreter, the
-tasks are forked by that one (no import at all) where their start-up environment and this
-process's context (namespaces, cgroup, user, limits) agree with its own.
+With ``start_method="forkserver"`` (or ``TD_START_METHOD=forkserver``) a Python task
+(``sys.executable -u`` with a script, ``-m`` or ``-c``) is forked by the standard library's
+forkserver, which imported torch once (``forkserver_tasks.py``): its start and every restart
+skip torch's import, about 4 s of CPU each. Any other command, a task whose start-up
+environment differs from the server's, and the default ``start_method="fresh"`` start a new
+process. ``"preloaded"``, the name of an earlier fork server, is taken as ``"forkserver"``
+with a ``FutureWarning``.
 
 >>> import io, sys
 >>> out = io.StringIO()
@@ -51,16 +51,13 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TypeAlias
 
-from torch_distribute.cluster.preloaded_interpreter import (
-    SHARED_SERVER_ENV,
-    ForkedProcess,
-    PreloadedInterpreter,
-)
+from torch_distribute.cluster.forkserver_tasks import ForkedTask, ForkserverTasks
 from torch_distribute.collectives import failure_record
 from torch_distribute.errors import InvalidArgumentError
 
@@ -81,8 +78,8 @@ _SignalHandler: TypeAlias = Callable[[int, FrameType | None], object] | int | si
 
 #: The exit code when the ``timeout`` passes (as ``timeout(1)`` uses).
 EXIT_TIMEOUT = 124
-#: How tasks start: each a new process, or forked from an interpreter that imported torch once.
-START_METHODS = ("fresh", "preloaded")
+#: How tasks start: each a new process, or forked by a forkserver that imported torch once.
+START_METHODS = ("fresh", "forkserver")
 #: The environment variable that picks the start method when none is given.
 START_METHOD_ENV = "TD_START_METHOD"
 POLL_S = 0.05
@@ -107,11 +104,11 @@ class TaskSpec:
 
 @dataclass
 class SupervisedProcess:
-    """A started task: its process (a ``Popen`` or a ``ForkedProcess``) and the threads
+    """A started task: its process (a ``Popen`` or a ``ForkedTask``) and the threads
     forwarding its output."""
 
     spec: TaskSpec
-    proc: subprocess.Popen[bytes] | ForkedProcess
+    proc: subprocess.Popen[bytes] | ForkedTask
     readers: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -126,7 +123,11 @@ class SupervisedProcess:
         if hasattr(os, "killpg"):
             try:
                 os.killpg(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
+            except ProcessLookupError:
+                # Not yet its own group (a forked task makes one first thing): itself.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(self.pid, sig)
+            except PermissionError:
                 pass
             return
         if self.proc.poll() is None:  # pragma: no cover - no process groups (Windows)
@@ -207,8 +208,8 @@ class ProcessSupervisor:
         grace_period: seconds between SIGTERM and SIGKILL when stopping.
         log_prefix: put before the supervisor's own messages.
         log_stream: where those messages go (default ``stderr``).
-        start_method: ``"fresh"`` (every task a new process) or ``"preloaded"`` (Python
-            tasks forked from an interpreter that imported torch once); None reads
+        start_method: ``"fresh"`` (every task a new process) or ``"forkserver"`` (Python
+            tasks forked by a forkserver that imported torch once); None reads
             ``TD_START_METHOD`` (default fresh).
     """
 
@@ -224,6 +225,10 @@ class ProcessSupervisor:
     ) -> None:
         if start_method is None:
             start_method = os.environ.get(START_METHOD_ENV) or "fresh"
+        if start_method == "preloaded":
+            warnings.warn("start_method 'preloaded' is now 'forkserver' (the standard library's "
+                          "forkserver, which imports torch once); use that name", FutureWarning, stacklevel=2)
+            start_method = "forkserver"
         if start_method not in START_METHODS:
             raise InvalidArgumentError(
                 f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
@@ -237,9 +242,8 @@ class ProcessSupervisor:
         self.received: list[int] = []  # signals received by the supervisor, in order
         self.error_dir: str | None = None  # the tasks' failure records (start_all)
         self.seen_failed: list[SupervisedProcess] = []  # found failed in the last poll (_watch)
-        self.preloaded = (PreloadedInterpreter(shared=os.environ.get(SHARED_SERVER_ENV))
-                          if start_method == "preloaded" else None)
-        self._told_shared_mismatch = False
+        self.forkserver = ForkserverTasks() if start_method == "forkserver" else None
+        self._told_why_not_forked = False
 
     def log(self, message: str) -> None:
         """Write one message of the supervisor's own (never fails)."""
@@ -256,7 +260,7 @@ class ProcessSupervisor:
         """Start ``spec`` in a new process group with its output forwarded (not recorded)."""
         forked = self._fork(spec)
         if forked is not None:
-            proc: subprocess.Popen[bytes] | ForkedProcess = forked[0]
+            proc: subprocess.Popen[bytes] | ForkedTask = forked[0]
             pipes = forked[1]
         else:
             popen = subprocess.Popen(
@@ -281,36 +285,31 @@ class ProcessSupervisor:
             process.readers.append(thread)
         return process
 
-    def _fork(self, spec: TaskSpec) -> tuple[ForkedProcess, tuple[IO[bytes], IO[bytes]]] | None:
-        """``spec`` forked from the preloaded interpreter with its output pipes, or None
-        when it must start fresh (another command, or the interpreter failed to start)."""
-        if self.preloaded is None or not self.preloaded.can_start(spec.command, spec.env):
+    def _fork(self, spec: TaskSpec) -> tuple[ForkedTask, tuple[IO[bytes], IO[bytes]]] | None:
+        """``spec`` forked by the forkserver with its output pipes, or None when it must
+        start fresh (another command or start-up environment, or the server failed)."""
+        if self.forkserver is None:
             return None
-        mismatch = self.preloaded.shared_mismatch(spec.env)
-        if mismatch is not None and not self._told_shared_mismatch:
-            self._told_shared_mismatch = True
-            self.log(f"not forking from ${SHARED_SERVER_ENV}'s interpreter ({mismatch}): "
-                     "starting one of this launch's own")
+        why_not = self.forkserver.why_not(spec.command, spec.env)
+        if why_not is not None:
+            if not self._told_why_not_forked:
+                self._told_why_not_forked = True
+                self.log(f"starting {spec.name} in a fresh interpreter, not from the forkserver: {why_not}")
+            return None
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
         try:
-            proc = self.preloaded.start(spec.command, spec.env, stdout=out_write, stderr=err_write)
-        except OSError as error:
+            proc = self.forkserver.start(spec.command, spec.env, stdout=out_write, stderr=err_write)
+        except (OSError, ValueError) as error:
             for fd in (out_read, err_read):
                 os.close(fd)
-            self.log(f"starting fresh interpreters: the preloaded one failed ({error})")
-            self.preloaded.close()
-            self.preloaded = None
+            self.log(f"starting fresh interpreters: the forkserver failed ({error})")
+            self.forkserver = None
             return None
         finally:
             os.close(out_write)
             os.close(err_write)
         return proc, (os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
-
-    def close(self) -> None:
-        """End the preloaded interpreter (it kills any task it forked that still runs)."""
-        if self.preloaded is not None:
-            self.preloaded.close()
 
     def start_all(self, specs: Sequence[TaskSpec]) -> None:
         """Start every task; they become the supervised set (``processes``).
@@ -469,7 +468,6 @@ class ProcessSupervisor:
             return self._run_gang(make_tasks, max_restarts, timeout)
         finally:
             self._remove_error_files()
-            self.close()
 
     def _run_gang(self, make_tasks: Callable[[int], Sequence[TaskSpec]], max_restarts: int,
                   timeout: float | None) -> int:
@@ -534,7 +532,6 @@ class ProcessSupervisor:
             return self._run_replacing(make_task, count, lost, joined, max_replacements, timeout)
         finally:
             self._remove_error_files()
-            self.close()
 
     def _start_recorded(self, spec: TaskSpec, name: str) -> SupervisedProcess:
         """Start ``spec`` with a failure-record file of its own (``first_failure`` reads it)."""
@@ -616,4 +613,3 @@ class ProcessSupervisor:
             return lead.proc.wait()  # it has exited
         finally:
             self.stop_all()
-            self.close()

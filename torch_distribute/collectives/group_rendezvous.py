@@ -234,7 +234,8 @@ class Rendezvous:
             else:
                 # A stopped chief accepts the connection and never answers: bounded here too.
                 store = job_auth.namespaced(self._threads.within(
-                    lambda: connect_store(member.host, member.port, member.world_size, timeout),
+                    lambda: connect_store(member.host, member.port, member.world_size, timeout,
+                                          waiting=f"worker {member.rank} of {member.world_size}"),
                     timeout + member.store_deadline))
                 store.set_timeout(member.collective_timeout)
         except Exception as error:  # noqa: BLE001 - rewrapped with what to check

@@ -92,7 +92,6 @@ def create_in_process_cluster(
     *,
     extra_env: Mapping[str, str] | None = None,
     output: IO[str] | None = None,
-    start_method: str | None = None,
 ) -> SimpleClusterResolver:
     """Start ``num_workers`` workers and ``num_ps`` parameter servers as children of this
     process (the coordinator); return the resolver for ``td.ParameterServerStrategy``.
@@ -113,9 +112,10 @@ def create_in_process_cluster(
         num_workers, num_ps: how many of each (at least one).
         extra_env: environment variables for the children, over this process's own.
         output: where the children's stdout and stderr lines go.
-        start_method: ``"fresh"`` (each child a new interpreter) or ``"preloaded"``
-            (forked from one that imported torch once); None reads ``TD_START_METHOD``
-            (default fresh).
+
+    The children are fresh interpreters (``TD_START_METHOD`` does not apply: a forkserver
+    would first import this program's main module in each child, which the single-program
+    form does not guard).
 
     Raises:
         InvalidArgumentError: ``num_workers`` or ``num_ps`` is not a positive integer.
@@ -148,7 +148,7 @@ def create_in_process_cluster(
     stream = output if output is not None else sys.stderr
     supervisor = ProcessSupervisor(stdout=stream, stderr=stream, grace_period=GRACE_PERIOD_S,
                                    log_prefix="[in_process_cluster] ", log_stream=stream,
-                                   start_method=start_method)
+                                   start_method="fresh")
     in_process = InProcessCluster(cluster, supervisor)
     try:
         supervisor.start_all([task("worker", i) for i in range(num_workers)]

@@ -8,8 +8,8 @@ chief exits: the other tasks are stopped (SIGTERM, then SIGKILL, to each process
 the chief's exit code is returned. ``restart_workers=True`` (``--restart-workers``) starts a
 worker again when it dies, as a cluster manager would; it rejoins the running job. The
 processes are run by :mod:`torch_distribute.cluster.supervisor` (``run_until_exit``), forked
-from an interpreter that imported torch once with ``start_method="preloaded"``
-(``--start-method preloaded``, ``TD_START_METHOD=preloaded``).
+by Python's forkserver, which imported torch once, with ``start_method="forkserver"``
+(``--start-method forkserver``, ``TD_START_METHOD=forkserver``).
 """
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ def run_local_cluster(
     Both stdout and stderr of every task go to ``stdout`` (default ``sys.stdout``). The
     tasks share a fresh job secret (``TD_JOB_SECRET``) unless one is set already.
     ``timeout`` (seconds) stops everything and returns 124 when it passes.
-    ``start_method``: ``"fresh"`` starts each task anew, ``"preloaded"`` forks them from an
-    interpreter that imported torch once (starts and restarts without torch's import);
-    None reads ``TD_START_METHOD`` (default fresh).
+    ``start_method``: ``"fresh"`` starts each task anew, ``"forkserver"`` forks them from
+    the standard library's forkserver, which imported torch once (starts and restarts without
+    torch's import; multiprocessing imports the calling program's main module in each task
+    first, so guard it with ``if __name__ == "__main__":``); None reads ``TD_START_METHOD``
+    (default fresh).
     """
     stream = stdout if stdout is not None else sys.stdout
     cluster = cluster_config(num_workers, num_ps)
@@ -99,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="start a worker again when it dies (it rejoins the job)")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--start-method", choices=START_METHODS, default=None,
-                        help="fresh: a new interpreter for each task; preloaded: fork the tasks "
-                             "from an interpreter that imported torch once (default: "
+                        help="fresh: a new interpreter for each task; forkserver: fork the tasks "
+                             "from Python's forkserver, which imported torch once (default: "
                              "$TD_START_METHOD, else fresh)")
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)

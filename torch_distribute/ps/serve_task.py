@@ -6,11 +6,7 @@ The task's place comes from ``TF_CONFIG``; it runs ``td.distribute_server()`` an
 the user's program. It ends when the coordinator shuts the cluster down (status 0), and at
 once when its parent process ``PID`` is gone, however it went: Linux's ``PR_SET_PDEATHSIG``
 (``--pdeathsig``; SIGKILL when the parent thread ends) and a thread that checks
-``os.getppid()`` twice a second (every system). A task forked by a preloaded interpreter
-(``cluster/preloaded_interpreter.py``, ``TD_START_METHOD=preloaded``) watches that interpreter
-instead, which kills it when the coordinator is gone: the coordinator's own interpreter ends
-with it, and a shared one (``TD_PRELOADED_SERVER``) kills the task when the coordinator's
-connection to it closes.
+``os.getppid()`` twice a second (every system).
 """
 
 from __future__ import annotations
@@ -37,23 +33,10 @@ def _end_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive all the same
-        pass
-    return True
-
-
 def _die_with(coordinator: int, pdeathsig: bool) -> None:
     parent = os.getppid()
-    # A parent other than the coordinator is a preloaded interpreter, the coordinator's own
-    # (its child) or a shared one: either way the coordinator is alive, or we are about to be
-    # killed.
-    if parent != coordinator and not _alive(coordinator):
-        _end_now()  # the coordinator is gone: nothing to serve
+    if parent != coordinator:  # adopted by another process already: the coordinator is gone
+        _end_now()
     if pdeathsig and sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -61,8 +44,6 @@ def _die_with(coordinator: int, pdeathsig: bool) -> None:
             pass  # the watching thread below still applies
     if os.getppid() != parent:  # it died before prctl: nothing would tell us
         _end_now()
-    # Forked by a preloaded interpreter: it kills this task within a second of the
-    # coordinator's end, so watching it is watching the coordinator.
 
     def watch() -> None:
         while True:

@@ -34,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 from torch_distribute import context, nest
+from torch_distribute.eager import never_compiled
 from torch_distribute.errors import ContextError, ReplicaMismatchError
 from torch_distribute.strategies.replica_rng import ReplicaRandomMode, RunSeed
 from torch_distribute.strategies.replicated_state import ReplicaTensorMode
@@ -235,6 +236,11 @@ class ReplicaThreads:
             del current
 
     # -- merge_call ---------------------------------------------------------------------------
+    # Never traced, nor what it runs: a compiled replica step's graph ends before it. Its
+    # bookkeeping, and the merge function the last replica runs for all, read what the other
+    # replica threads change meanwhile, so guards on them can fail as they change (dynamo's
+    # "Guard failed on the same frame it was created", met on torch 2.14).
+    @never_compiled
     def merge_call(self, local_id: int, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         stream = self._streams[local_id]
         if stream is not None:

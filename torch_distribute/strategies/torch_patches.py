@@ -37,8 +37,9 @@ from torch_distribute.strategies import interception
 if TYPE_CHECKING:
     from torch_distribute.context import StrategyLike
 
-#: The torch versions on which every ``torch_target`` and ``signature`` below was checked.
-TORCH_VERSIONS_CHECKED = ("2.13",)
+#: The torch versions on which every ``torch_target`` and ``signature`` below was checked: the
+#: oldest supported (pyproject's ``torch>=``, the local CPU build) and the newest the index serves.
+TORCH_VERSIONS_CHECKED = ("2.13", "2.14")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,14 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
            "before torchft's first import (a fault-tolerant strategy, the launcher's lighthouse)",
            "never: torchft read it at its import; a value or level the user set is left alone",
            "torch_distribute.collectives.fault_tolerant_group"),
+    Change("multiprocessing's forkserver: set_forkserver_preload, and the server started",
+           "the preload list set to torch, torch._dynamo and torch_distribute, and the process's forkserver started with "
+           "the start-up variables of the first task it forks (os.environ holds them for that moment: "
+           "multiprocessing starts the server with it)",
+           "multiprocessing keeps one forkserver per process, configured process-wide",
+           "when a supervisor with start_method='forkserver' (the launcher, local_cluster) forks its "
+           "first task", "never: the server forks every later task and ends with the process",
+           "torch_distribute.cluster.forkserver_tasks"),
     Change("signal SIGINT/SIGTERM/SIGHUP handlers", "the launcher's supervisor stops its workers",
            "signals", "while the launcher supervises", "at once: the previous handlers are put back",
            "torch_distribute.cluster.supervisor"),
