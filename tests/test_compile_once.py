@@ -172,11 +172,14 @@ def test_the_switch(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert compile_once.enabled() is True
 
 
-def test_with_inductors_caches_off_nothing_waits(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_with_inductors_caches_off_nothing_waits(cache_dir: Path) -> None:
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # this thread's
-    assert compile_once.enabled() is False
+    # torch's own patch (a config module's attribute set and deleted by monkeypatch is gone
+    # for the rest of the process, for every later compile).
+    with inductor_config.patch(fx_graph_cache=False):
+        assert compile_once.enabled() is False
+    assert compile_once.enabled() is True
 
 
 def test_the_key_names_what_decides_the_build() -> None:
