@@ -139,15 +139,16 @@ def test_a_graph_inductor_would_not_cache_is_marked_for_everyone_to_compile(cach
     assert done.read_text().startswith("not cached")
 
 
-def test_a_wait_gives_up_after_inductors_lock_timeout(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wait_gives_up_after_inductors_lock_timeout(cache_dir: Path) -> None:
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "file_lock_timeout", 1)  # torch's config is per thread: called here
     inputs = [torch.ones(4)]
     held = _Held(_lock_path(cache_dir, inputs))
     try:
         started = time.monotonic()
-        assert compile_once.compile_shared(lambda graph, example_inputs: "built", GRAPH, inputs, "o") == "built"
+        # torch's own patch: monkeypatch's teardown would delete the setting from torch's config
+        with inductor_config.patch(file_lock_timeout=1):
+            assert compile_once.compile_shared(lambda graph, example_inputs: "built", GRAPH, inputs, "o") == "built"
         assert 0.9 <= time.monotonic() - started < 20
     finally:
         held.release()
