@@ -49,7 +49,11 @@ def one_device(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_tutorial_equals_one_device(name, one_device, tmp_path):
     strategy = STRATEGIES[name]()
-    got = keras3_tutorial.run(strategy, str(tmp_path), num_replicas=2)
+    # Under MirroredStrategy the model's first layer has no input shape: it has no weights in
+    # the scope and builds them at fit's first batch (before, it then trained on one device).
+    input_shape = name != "mirrored"
+    got = keras3_tutorial.run(strategy, str(tmp_path), num_replicas=2, input_shape=input_shape)
+    assert got["built_in_scope"] is input_shape and got["served"]
     for actual, expected in zip(got["weights"], one_device["weights"], strict=True):
         _close(actual, expected, atol=1e-6)
     assert got["history"].keys() == one_device["history"].keys() == {"loss", "accuracy", "learning_rate"}
@@ -289,6 +293,13 @@ def test_keras_is_optional_and_must_use_the_torch_backend(monkeypatch):
             pass
 
 
+class _NoLayers(keras.Model):
+    """A subclassed model that registers nothing in torch when made."""
+
+    def call(self, x):
+        return x
+
+
 def test_the_keras_seams_are_the_ones_checked():
     """What the integration relies on in Keras has the call shape recorded for the tested
     versions: a Keras release that changes it fails here first."""
@@ -300,3 +311,10 @@ def test_the_keras_seams_are_the_ones_checked():
     assert keras_seams.installed()  # by the first scope entered with Keras imported
     for name in ("Optimizer", "LossScaleOptimizer", "MultiOptimizer"):
         assert getattr(getattr(keras.optimizers, name).apply, "__torch_distribute_wrapped__", False), name
+    assert getattr(keras.Model.__init__, "__torch_distribute_wrapped__", False)
+    # Every model class Keras has, and a subclass, goes through keras.Model.__init__ (how a model
+    # with no weights yet is found in a scope): a Keras release that stops calling it fails here.
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        made = [keras.Sequential([keras.layers.Dense(2)]), keras.Sequential(), _NoLayers()]
+    assert [td.keras3.served_by(model) is strategy for model in made] == [True, True, True]

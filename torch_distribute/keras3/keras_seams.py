@@ -4,9 +4,11 @@ Keras 3 on torch offers no distribution hook: its ``fit`` runs ``train_step`` on
 thread, a model calls its variables' tensors directly, and an optimizer updates them itself.
 So the integration uses Keras' documented override points on the model it serves (its
 ``call``, ``train_step``/``test_step``/``predict_step``, ``fit``/``evaluate``/``predict``, set
-on that instance only: ``serving.py``) and wraps one public method of Keras' optimizer
-classes, ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
-through (``apply_gradients`` calls it). Nothing private of Keras is read or replaced.
+on that instance only: ``serving.py``) and wraps two public methods of Keras: the optimizer
+classes' ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
+through (``apply_gradients`` calls it), and ``keras.Model.__init__``, so that a model made in
+a scope belongs to that strategy even when it has no weights yet (TensorFlow's Keras records
+the strategy there too). Nothing private of Keras is replaced.
 
 One Keras internal is read (nothing is changed through it): a layer's output carries its mask
 in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`` /
@@ -20,6 +22,8 @@ them with the installed Keras, so a Keras release that changes one fails in CI f
 
 >>> [change.target for change in CHANGES][:1]
 ['keras.optimizers.Optimizer.apply']
+>>> "keras.Model.__init__" in [change.target for change in CHANGES]
+True
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ _APPLY_WHY = ("a Keras optimizer updates its variables itself (not through torch
               "per call; under several replicas it must apply, once, the gradient summed over "
               "every replica and worker, and Keras has no distribution hook on torch")
 _FIRST_MODEL = "when a strategy's scope is first entered with Keras imported (scope listener)"
+_MODEL_MADE_WHY = ("a model whose first layer has no input shape (TensorFlow's tutorials write it so) has "
+                   "no weights until its first batch, and nothing of torch (no module, no parameter) is "
+                   "registered while Keras makes it, so the torch hooks that find other models in a scope "
+                   "cannot see it; Keras has no hook at a model's construction. TensorFlow's Keras "
+                   "records the strategy in force in Model.__init__ and builds the variables in it later")
 _KEPT = ("never in a program (it passes through at once outside strategy.run and outside a served "
          "model's step); uninstall() undoes it, for tests")
 
@@ -68,10 +77,15 @@ CHANGES: tuple[Change, ...] = (
            "passes through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
     Change("keras.optimizers.MultiOptimizer.apply", "wrapped as Optimizer.apply (it defines its "
            "own); its inner optimizers' apply then pass through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
+    Change("keras.Model.__init__", "wrapped: after Keras' own __init__, a model made in a strategy's "
+           "scope is served by that strategy (serving.serve), so its weights, built at its first batch "
+           "or build(), are built in that scope; outside every scope it passes through",
+           _MODEL_MADE_WHY, _FIRST_MODEL, _KEPT),
     Change("a served model's call, train_step, test_step, predict_step, fit, evaluate, predict",
            "set on that instance (its class is untouched, so model.save records plain Keras): the "
            "forward is spread over the replicas within a step, and fit runs in the strategy's "
-           "scope with its callbacks adapted to several workers (serving.py)",
+           "scope with its callbacks adapted to several workers; build, and a call that builds, run "
+           "in the strategy's scope (serving.py)",
            "these are the documented ways to change what fit does; a Keras model made in a scope "
            "is found by the torch module registration hooks the strategy already uses",
            "when the model is made (or built) in a strategy's scope", "never: the model belongs to "
@@ -83,6 +97,7 @@ KERAS_TARGETS: dict[str, str] = {
     "optimizers.Optimizer.apply": "(self, grads, trainable_variables=None)",
     "optimizers.LossScaleOptimizer.apply": "(self, grads, trainable_variables=None)",
     "optimizers.MultiOptimizer.apply": "(self, grads, trainable_variables=None)",
+    "Model.__init__": "(self, *args, **kwargs)",
     "Model.train_step": "(self, data)",
     "Model.test_step": "(self, data)",
     "Model.predict_step": "(self, data)",
@@ -167,9 +182,15 @@ def _require_variables(optimizer: Any) -> list[Any]:
     )
 
 
-def install(keras: ModuleType) -> None:
-    """Wrap the optimizers' ``apply`` (idempotent, thread-safe)."""
+def install(keras: ModuleType, model_made: Callable[[Any], None] | None = None) -> None:
+    """Wrap the optimizers' ``apply`` and ``keras.Model.__init__`` (idempotent, thread-safe).
+
+    ``model_made(model)`` is called after every ``keras.Model``'s own ``__init__`` from now
+    on (the scope listener's: it serves a model made in a scope)."""
+    global _model_made
     with _lock:
+        if model_made is not None:
+            _model_made = model_made
         if _undo:
             return
         for name in _APPLY_CLASSES:
@@ -179,13 +200,33 @@ def install(keras: ModuleType) -> None:
             own = cls.__dict__.get("apply")
             setattr(cls, "apply", _wrap_apply(cls.apply))  # noqa: B010 - a class attribute, undone below
             _undo.append(functools.partial(_restore, cls, own))
+        model_class = keras.Model
+        own_init = model_class.__dict__["__init__"]
+        if not getattr(own_init, "__torch_distribute_wrapped__", False):
+            model_class.__init__ = _wrap_model_init(own_init)
+            _undo.append(functools.partial(_restore, model_class, own_init, "__init__"))
 
 
-def _restore(cls: type, own: Any) -> None:
+_model_made: Callable[[Any], None] | None = None
+
+
+def _wrap_model_init(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        hook = _model_made
+        if hook is not None:
+            hook(self)
+
+    __init__.__torch_distribute_wrapped__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _restore(cls: type, own: Any, name: str = "apply") -> None:
     if own is None:
-        delattr(cls, "apply")  # noqa: B043 - back to the inherited method
+        delattr(cls, name)  # back to the inherited method
     else:
-        setattr(cls, "apply", own)  # noqa: B010
+        setattr(cls, name, own)
 
 
 def installed() -> bool:

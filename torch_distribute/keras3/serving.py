@@ -11,9 +11,13 @@ thin layer over the model's own method:
 - ``call``: within such a step, the model's forward on the global batch is spread over every
   replica of every worker and the outputs of the whole batch are returned (``forward``), so
   the loss and the metrics are one device's. Anywhere else, the model's own call.
-- ``fit``/``evaluate``/``predict``: run in the strategy's scope (weights built lazily at the
-  first batch are made there) on its device (``keras.device``), with the callbacks adapted to
-  several workers (``callbacks``), after the checks that refuse what cannot be served.
+- ``fit``/``evaluate``/``predict`` and ``train_on_batch``/``test_on_batch``/
+  ``predict_on_batch``: run in the strategy's scope (weights built lazily at the first batch
+  are made there) on its device (``keras.device``), with the callbacks adapted to several
+  workers (``callbacks``), after the checks that refuse what cannot be served.
+- ``build``, and a ``call`` of a model not built yet (``model(x)`` before ``fit``): run in the
+  strategy's scope when called outside every scope, so that the weights a model made in the
+  scope builds later are the strategy's, wherever its first batch comes from.
 
 The optimizer then sums the replicas' and workers' gradients before applying them
 (``keras_seams``: ``Optimizer.apply``). The class is untouched: ``model.save`` writes a file
@@ -26,14 +30,16 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_distribute import context
 from torch_distribute.errors import ContextError, KerasUnsupportedError
 from torch_distribute.keras3 import callbacks as worker_callbacks
 from torch_distribute.keras3 import forward, input_check, keras_seams, step_context
@@ -115,7 +121,10 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
         step = step_context.current()
         if (step is None or step.forwarding or step.model is not model_ref() or not args
                 or not _is_spread(strategy) or not _concrete(args[0])):
-            return original_call(*args, **kwargs)
+            if getattr(model_ref(), "built", True):
+                return original_call(*args, **kwargs)
+            with home_scope(strategy, keras):  # a call that builds the model's weights
+                return original_call(*args, **kwargs)
         with step_context.flag(step, "forwarding"):
             return forward.spread(strategy, keras, model_ref(), args, kwargs, step.kind == "train")
 
@@ -124,8 +133,33 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
     call.__doc__ = original_call.__doc__
     _set(model, "call", call)
 
-    for name in ("fit", "evaluate", "predict"):
+    original_build = model.build  # Keras' own wrapper of the class's build, on the instance
+
+    @functools.wraps(original_build)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        with home_scope(strategy, keras):
+            return original_build(*args, **kwargs)
+
+    _set(model, "build", build)
+
+    for name in LOOPS:
         _set(model, name, _wrap_loop(model_ref, strategy, keras, getattr(model, name)))
+
+
+#: A served model's methods that run in its strategy's scope, after the checks.
+LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+@contextlib.contextmanager
+def home_scope(strategy: Strategy, keras: ModuleType) -> Iterator[None]:
+    """``strategy``'s scope (and its device for Keras' new variables) where no strategy's
+    scope or ``run`` is in force; nothing where one is (its own, or another's: then that
+    strategy's checks apply)."""
+    if context.has_strategy():
+        yield
+        return
+    with strategy.scope(), keras.device(str(strategy.extended.primary_device)):
+        yield
 
 
 def _set(model: Any, name: str, value: Callable[..., Any]) -> None:
