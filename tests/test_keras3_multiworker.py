@@ -64,7 +64,34 @@ def worker() -> None:
     result = keras3_tutorial.run(strategy, args.out, num_replicas=strategy.num_replicas_in_sync,
                                  extra_callbacks=[backup, KillWorkerOne()], verbose=2, early_stopping=True,
                                  input_shape=False)
-    print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, **result}), flush=True)
+    masks = dropout_masks(keras, strategy)
+    print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, "masks": masks, **result}), flush=True)
+
+
+def dropout_masks(keras, strategy) -> dict:
+    """This worker's dropout masks (on its rows of a batch of ones) for an unseeded and a seeded
+    Dropout over two steps, and the seed generators' states afterwards."""
+    import numpy as np
+    import torch
+
+    out = {}
+    for name, seed in (("unseeded", None), ("seeded", 7)):
+        rows = []
+
+        class Recorder(keras.layers.Layer):
+            def call(self, x):
+                if x.device.type != "meta":
+                    rows.append((x != 0).to(torch.int64).reshape(-1).tolist())
+                return x
+
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dropout(0.5, seed=seed), Recorder(),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        for _ in range(2):
+            model.train_on_batch(np.ones((4, 64), np.float32), np.zeros((4, 1), np.float32))
+        out[name] = {"rows": rows, "states": [v.numpy().tolist() for v in model.non_trainable_variables]}
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -93,6 +120,16 @@ def test_tutorial_on_two_workers_killed_and_restarted_equals_one_device(tmp_path
     assert len(results[0]["cuts"]) == len(results[1]["cuts"]) > 0
     for (rows, mine), (same_rows, theirs) in zip(results[0]["cuts"], results[1]["cuts"], strict=True):
         assert rows == same_rows and mine + theirs == rows and abs(mine - theirs) <= 1
+
+    # Each worker draws its own dropout masks (they share a seed, so that they read the same
+    # batches): before, worker 1's rows got worker 0's pattern.
+    for name in ("unseeded", "seeded"):
+        first, second = (results[rank]["masks"][name] for rank in (0, 1))
+        assert len(first["rows"]) == len(second["rows"]) == 2
+        for step in range(2):
+            assert first["rows"][step] != second["rows"][step], name
+        assert first["rows"][0] != first["rows"][1], name
+        assert first["states"] == second["states"], name  # the generators stay equal on every worker
 
     reference = keras3_tutorial.run(None, str(tmp_path / "one_device"), num_replicas=2, early_stopping=True)
     for rank in (0, 1):

@@ -15,8 +15,9 @@ concatenation) and each worker (through ``GatheredRows``, whose backward keeps t
 rows of the gradient: every worker computed the same loss) its share of the gradient, which
 the optimizer sums (``gradients.py``).
 
-Each replica's forward runs in a ``keras.StatelessScope`` of its own: what it assigns to the
-model's variables (``BatchNormalization``'s moving statistics, a seed generator's state) and
+Each replica's forward runs in a ``keras.StatelessScope`` of its own, with random numbers of
+its own (``replica_random.py``): what it assigns to the model's variables
+(``BatchNormalization``'s moving statistics, a seed generator's state) and
 the losses it adds (``add_loss``, activity regularizers) are collected, not applied, so every
 replica computes from the same state. Then floating variables get the mean over the replicas
 and workers (as TensorFlow's ON_READ MEAN variables), others replica 0's value, and the added
@@ -37,7 +38,7 @@ import torch
 from torch_distribute import context, nest
 from torch_distribute.errors import KerasUnsupportedError
 from torch_distribute.input.batching import batch_sizes_for_worker
-from torch_distribute.keras3 import keras_seams
+from torch_distribute.keras3 import keras_seams, replica_random
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica, select_replica
 
@@ -89,17 +90,22 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         per_replica.append((_rows(args, rows, offset, size), _rows(kwargs, rows, offset, size)))
         offset += size
     devices = extended.replica_devices
-    states = list(model.non_trainable_variables) if training else []
+    # What the forwards may assign: every non-trainable variable in training (BatchNormalization's
+    # statistics), the seed generators' states always (a random layer draws in inference too).
+    states = [v for v in model.non_trainable_variables if training or replica_random.is_seed_state(v)]
 
     def replica_forward(inputs: tuple[tuple, dict]) -> Any:
         replica_args, replica_kwargs = inputs
-        local_id = context.get_replica_context().local_replica_id
-        device = devices[local_id]
+        replica = context.get_replica_context()
+        device, replica_id = devices[replica.local_replica_id], replica.replica_id_in_sync_group
         # The replica's variable updates and added losses are collected, not applied: each
-        # replica computes from the same state, and the updates are combined below.
-        with keras.device(str(device)), keras.StatelessScope(collect_losses=True) as scope:
+        # replica computes from the same state, and the updates are combined below. Its random
+        # numbers are its own (replica_random.py).
+        mapping = replica_random.seeded_mapping(states, replica_id)
+        with keras.device(str(device)), keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+                replica_random.own_torch_stream(device, replica_id):
             out = model(*_on(replica_args, device), **_on(replica_kwargs, device))
-        return out, _Collected(list(scope.losses), [scope.get_current_value(v) for v in states])
+        return out, _Collected(list(scope.losses), [_assigned(scope, v, replica_id) for v in states])
 
     value: Any = PerReplica(per_replica) if len(per_replica) > 1 else per_replica[0]
     result = strategy.run(replica_forward, args=(value,))
@@ -120,6 +126,16 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         if isinstance(tensor, torch.Tensor) and isinstance(mask, torch.Tensor):
             keras_seams.set_output_mask(keras, tensor, mask)
     return local
+
+
+def _assigned(scope: Any, variable: Any, replica_id: int) -> Any:
+    """What a replica's forward assigned to ``variable`` (``None``: nothing); a seed state
+    without the replica's offset (``None`` where the forward drew nothing from it)."""
+    value = scope.get_current_value(variable)
+    if value is None or not replica_random.is_seed_state(variable):
+        return value
+    value = replica_random.without_offset(value, replica_id)
+    return None if torch.equal(value, variable.value.to(value.device)) else value
 
 
 def _mask_of(keras: ModuleType, tensor: Any) -> Any:

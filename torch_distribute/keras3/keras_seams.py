@@ -16,6 +16,11 @@ in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`
 outputs are joined into new tensors, so their masks are joined too (``output_mask``,
 ``set_output_mask``), else a masked sequence model would train on its padding.
 
+Each replica draws random numbers of its own (``replica_random.py``) through what Keras
+documents of ``keras.random.SeedGenerator``: its state is a variable named
+``seed_generator_state`` holding ``[seed, counter]``, and ``next()`` draws ``seed + counter``
+and advances the counter (the test of this table checks that on the installed Keras).
+
 ``CHANGES`` lists them with why and when; ``KERAS_TARGETS`` is the call shape each relies on,
 as found on the Keras versions in ``loaded.TESTED_KERAS``. ``tests/test_keras3.py`` compares
 them with the installed Keras, so a Keras release that changes one fails in CI first.
@@ -101,6 +106,7 @@ KERAS_TARGETS: dict[str, str] = {
     "Model.train_step": "(self, data)",
     "Model.test_step": "(self, data)",
     "Model.predict_step": "(self, data)",
+    "random.SeedGenerator.next": "(self, ordered=True)",
     "src.backend.get_keras_mask": "(x)",
     "src.backend.set_keras_mask": "(x, mask)",
     "Model.fit": ("(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
