@@ -76,10 +76,10 @@ def dropout_masks(keras, strategy) -> dict:
 
     out = {}
     for name, seed in (("unseeded", None), ("seeded", 7)):
-        rows = []
+        rows: list = []
 
         class Recorder(keras.layers.Layer):
-            def call(self, x):
+            def call(self, x, rows=rows):
                 if x.device.type != "meta":
                     rows.append((x != 0).to(torch.int64).reshape(-1).tolist())
                 return x
