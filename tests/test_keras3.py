@@ -314,6 +314,58 @@ def test_a_model_with_dropout_trains_as_one_device_does():
     assert abs(loss - one_loss) < 0.1 * one_loss
 
 
+def test_keras_metrics_updated_inside_run_are_every_replicas():
+    """TensorFlow's custom-loop tutorial with Keras metrics: updated by every replica inside
+    strategy.run, read outside; the results are one device's, epoch after epoch."""
+    generator = np.random.default_rng(1)
+    x = torch.tensor(generator.random((40, 5), dtype=np.float32))
+    y = torch.tensor(generator.integers(0, 3, 40))
+    logits = torch.tensor(generator.normal(size=(40, 3)).astype(np.float32))
+
+    def read(strategy):
+        with strategy.scope():
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+            loss = keras.metrics.Mean()
+            auc = keras.metrics.AUC(num_thresholds=20)  # a metric of many variables
+
+        def step(xb, yb, lb):
+            accuracy.update_state(yb, lb)
+            loss.update_state(xb.sum(axis=1))
+            auc.update_state(yb == 1, torch.softmax(lb, dim=1)[:, 1])
+            return accuracy.result()  # inside run: this replica's own view
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, logits), batch_size=8)
+        results = []
+        for _ in range(2):  # epochs
+            for batch in strategy.experimental_distribute_dataset(loader):
+                strategy.run(step, args=batch)
+            results.append([float(m.result()) for m in (accuracy, loss, auc)])
+            for metric in (accuracy, loss, auc):
+                metric.reset_state()
+        return results
+
+    expected = read(td.OneDeviceStrategy("cpu"))
+    got = read(td.MirroredStrategy(["cpu:0", "cpu:1"]))
+    assert expected[0] == expected[1] and expected[0][0] not in (0.0, 1.0)
+    _close(got, expected, rtol=1e-6)
+
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        metric = keras.metrics.Mean()
+    with pytest.raises(td.KerasUnsupportedError, match="outside run"):
+        strategy.run(lambda: metric.reset_state())
+    # A metric made before the integration could serve it: refused at its first update in run.
+    keras_seams.uninstall()
+    early = keras.metrics.Mean()
+    with strategy.scope():
+        pass
+    assert keras_seams.installed()
+    with pytest.raises(td.KerasUnsupportedError, match="made before any strategy's scope"):
+        strategy.run(lambda: early.update_state(torch.ones(2)))
+    early.update_state(torch.ones(2))  # outside run: Keras' own
+    assert float(early.result()) == 1.0
+
+
 def _null():
     import contextlib
 

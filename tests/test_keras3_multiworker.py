@@ -65,7 +65,26 @@ def worker() -> None:
                                  extra_callbacks=[backup, KillWorkerOne()], verbose=2, early_stopping=True,
                                  input_shape=False)
     masks = dropout_masks(keras, strategy)
-    print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, "masks": masks, **result}), flush=True)
+    metrics = metrics_in_run(keras, strategy)
+    print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, "masks": masks, "metrics": metrics,
+                               **result}), flush=True)
+
+
+def metrics_in_run(keras, strategy) -> list:
+    """A Keras metric updated inside strategy.run on each worker's rows, read after each of
+    two epochs (reset between): every worker reads the metric of every row."""
+    import torch
+
+    with strategy.scope():
+        mean = keras.metrics.Mean()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(12.0)), batch_size=4)
+    read = []
+    for epoch in range(2):
+        for (values,) in strategy.experimental_distribute_dataset(loader):
+            strategy.run(lambda v, scale: mean.update_state(v * scale), args=(values, epoch + 1))
+        read.append(float(mean.result()))
+        mean.reset_state()
+    return read
 
 
 def dropout_masks(keras, strategy) -> dict:
@@ -130,6 +149,9 @@ def test_tutorial_on_two_workers_killed_and_restarted_equals_one_device(tmp_path
             assert first["rows"][step] != second["rows"][step], name
         assert first["rows"][0] != first["rows"][1], name
         assert first["states"] == second["states"], name  # the generators stay equal on every worker
+
+    # A Keras metric updated inside strategy.run: every worker reads the mean over every row.
+    assert results[0]["metrics"] == results[1]["metrics"] == [5.5, 11.0]
 
     reference = keras3_tutorial.run(None, str(tmp_path / "one_device"), num_replicas=2, early_stopping=True)
     for rank in (0, 1):
