@@ -366,6 +366,50 @@ def test_keras_metrics_updated_inside_run_are_every_replicas():
     assert float(early.result()) == 1.0
 
 
+class _AddsLoss(keras.layers.Layer):
+    """A layer that adds a loss of one kind on its input: a sum over the rows, a mean, a
+    penalty on its own weight (no rows), or a maximum (no split of the batch gives it)."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        reduce = {"sum": keras.ops.sum, "mean": keras.ops.mean, "max": keras.ops.max}.get(self.kind)
+        self.add_loss(0.01 * keras.ops.square(self.scale) if reduce is None
+                      else 0.001 * reduce(keras.ops.square(x * self.scale)))
+        return x * self.scale
+
+
+def test_losses_added_in_the_forward_are_one_devices():
+    """A sum over the batch's rows is summed over the replicas, a mean (and a penalty on the
+    weights) weighted by each replica's share, on a ragged split (8 and 7 rows): one device's
+    numbers. A loss that is neither is refused by name at the first step."""
+    data = np.random.default_rng(0).random((30, 6), dtype=np.float32)
+
+    def fit(strategy, kinds):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), *[_AddsLoss(k) for k in kinds],
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(data, data[:, :2], batch_size=15, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], model.get_weights(), model.evaluate(data, data[:, :2], batch_size=15, verbose=0)
+
+    kinds = ("sum", "mean", "weights")
+    (loss, weights, evaluated), (one_loss, one_weights, one_evaluated) = (
+        fit(td.MirroredStrategy(["cpu:0", "cpu:1"]), kinds), fit(None, kinds))
+    _close(loss, one_loss)
+    _close(evaluated, one_evaluated)
+    for actual, expected in zip(weights, one_weights, strict=True):
+        _close(actual, expected, atol=1e-7)
+    with pytest.raises(td.KerasUnsupportedError, match="neither a mean over the batch's rows nor a sum"):
+        fit(td.MirroredStrategy(["cpu:0", "cpu:1"]), ("max",))
+
+
 def _null():
     import contextlib
 

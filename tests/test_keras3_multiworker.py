@@ -66,8 +66,35 @@ def worker() -> None:
                                  input_shape=False)
     masks = dropout_masks(keras, strategy)
     metrics = metrics_in_run(keras, strategy)
+    added = fit_with_added_losses(keras, strategy)
     print(RESULT + json.dumps({"rank": rank, "attempt": attempt, "cuts": cuts, "masks": masks, "metrics": metrics,
-                               **result}), flush=True)
+                               "added_losses": added, **result}), flush=True)
+
+
+def fit_with_added_losses(keras, strategy) -> dict:
+    """A model whose layers add a sum and a mean over the batch (``add_loss``), fitted on
+    batches of 9 rows (5 and 4 per worker); ``strategy=None``: one device."""
+    import contextlib
+
+    import numpy as np
+
+    class AddsLoss(keras.layers.Layer):
+        def __init__(self, reduce, **kwargs):
+            super().__init__(**kwargs)
+            self.reduce = reduce
+
+        def call(self, x):
+            self.add_loss(0.001 * getattr(keras.ops, self.reduce)(keras.ops.square(x)))
+            return x
+
+    data = np.random.default_rng(0).random((18, 4), dtype=np.float32)
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), AddsLoss("sum"), AddsLoss("mean"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(data, data[:, :1], batch_size=9, epochs=2, shuffle=False, verbose=0)
+    return {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()]}
 
 
 def metrics_in_run(keras, strategy) -> list:
@@ -150,6 +177,13 @@ def test_tutorial_on_two_workers_killed_and_restarted_equals_one_device(tmp_path
         assert first["rows"][0] != first["rows"][1], name
         assert first["states"] == second["states"], name  # the generators stay equal on every worker
 
+    # Losses the layers add (a sum and a mean over the rows): one device's.
+    expected = fit_with_added_losses(keras, None)
+    for rank in (0, 1):
+        got = results[rank]["added_losses"]
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+        for actual, want in zip(got["weights"], expected["weights"], strict=True):
+            np.testing.assert_allclose(actual, want, rtol=1e-5, atol=1e-6)
     # A Keras metric updated inside strategy.run: every worker reads the mean over every row.
     assert results[0]["metrics"] == results[1]["metrics"] == [5.5, 11.0]
 

@@ -21,8 +21,9 @@ its own (``replica_random.py``): what it assigns to the model's variables
 the losses it adds (``add_loss``, activity regularizers) are collected, not applied, so every
 replica computes from the same state. Then floating variables get the mean over the replicas
 and workers (as TensorFlow's ON_READ MEAN variables), others replica 0's value, and the added
-losses are added to the model as one device would have them (each replica's weighted by its
-share of the global batch, summed over every replica and worker).
+losses are added to the model as one device would have them (``added_losses.py``: a mean over
+the rows weighted by each replica's share of the global batch, a sum as it is, summed over
+every replica and worker).
 
 >>> row_ranges(7, num_workers=2, num_local_replicas=2, worker_index=1)
 (4, [2, 1])
@@ -38,7 +39,7 @@ import torch
 from torch_distribute import context, nest
 from torch_distribute.errors import KerasUnsupportedError
 from torch_distribute.input.batching import batch_sizes_for_worker
-from torch_distribute.keras3 import keras_seams, replica_random
+from torch_distribute.keras3 import added_losses, keras_seams, replica_random
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica, select_replica
 
@@ -111,7 +112,7 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
     result = strategy.run(replica_forward, args=(value,))
     results = [select_replica(k, result) for k in range(len(per_replica))]
     collected = [r[1] for r in results]
-    _add_losses(strategy, model, collected, local_sizes, rows)
+    _add_losses(strategy, keras, model, collected, local_sizes, rows, per_replica)
     if states:
         _update_states(strategy, states, collected)
     outputs = tuple(r[0] for r in results)
@@ -158,24 +159,34 @@ class _Collected:
         self.values = values
 
 
-def _add_losses(strategy: Strategy, model: Any, collected: list[_Collected], sizes: list[int], rows: int) -> None:
-    """The losses the replicas' forwards added (``add_loss``, activity regularizers), as one
-    device's: each replica's, a mean over its rows, weighted by its share of the global batch,
-    summed over every replica and worker, added to ``model`` (differentiably)."""
+def _add_losses(strategy: Strategy, keras: ModuleType, model: Any, collected: list[_Collected], sizes: list[int],
+                rows: int, per_replica: list[tuple[tuple, dict]]) -> None:
+    """The losses the replicas' forwards added (``add_loss``, activity regularizers), combined
+    as one device's (``added_losses``: a mean weighted by each replica's share of the global
+    batch, a sum as it is), summed over every replica and worker, added to ``model``
+    (differentiably)."""
     extended = strategy.extended
-    counts = [len(c.losses) for c in collected]
-    if extended.num_workers_in_sync > 1:  # every worker adds one loss, or none
-        total_count = extended.reduce_across_workers(torch.tensor([float(max(counts))], dtype=torch.float64))
-        anywhere = float(total_count[0]) > 0
-    else:
-        anywhere = max(counts) > 0
-    if not anywhere:
+    counts = {len(c.losses) for c in collected}
+    if len(counts) > 1:
+        raise KerasUnsupportedError(
+            f"The replicas' forwards of {type(model).__name__} added different numbers of losses "
+            f"({sorted(counts)}): a loss added only for some rows (add_loss under a condition on the "
+            "data) cannot be combined into one device's. Add the same losses on every batch."
+        )
+    count = counts.pop()
+    if extended.num_workers_in_sync > 1:  # every worker adds as many losses
+        every = extended.gather_across_workers(torch.tensor([[count]], dtype=torch.int64), 0)
+        if len(set(every[:, 0].tolist())) > 1:
+            raise KerasUnsupportedError(
+                f"The workers' forwards of {type(model).__name__} added different numbers of losses "
+                f"({every[:, 0].tolist()} by worker): add the same losses on every batch."
+            )
+    if count == 0:
         return
-    device = extended.primary_device
-    local = torch.zeros((), device=device)
-    for part, size in zip(collected, sizes, strict=True):
-        for loss in part.losses:
-            local = local + loss.to(device).float().sum() * (size / rows)
+    largest = max(range(len(sizes)), key=lambda k: sizes[k])
+    probe_args, probe_kwargs = per_replica[largest] if sizes[largest] else ((), {})
+    kinds = added_losses.kinds(strategy, keras, model, count, probe_args, probe_kwargs, extended.primary_device)
+    local = added_losses.combine(strategy, [c.losses for c in collected], sizes, rows, kinds)
     total = SummedOverWorkers.apply(local, extended) if extended.num_workers_in_sync > 1 else local
     model.add_loss(total)
 
