@@ -63,9 +63,11 @@ def check_strategy(strategy: Strategy, what: str) -> None:
     if not strategy.extended.keeps_captured_tensors:
         raise KerasUnsupportedError(
             f"{what} in {type(strategy).__name__}.scope(): this strategy replaces the parameters "
-            "of the modules made in its scope (sharded or remote ones), but a Keras layer computes "
-            "with its own variables' tensors, so it would never use them. Keras 3 models train "
-            "under OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy and "
+            "of the modules made in its scope by sharded or remote ones, but a Keras variable holds "
+            "its own whole tensor (Keras has no public way to make it hold a shard): its layers "
+            "would compute with it, its optimizer would update it (its slot variables whole, next to "
+            "the shards), and get_weights/save would read it, never the strategy's tensors. Keras 3 "
+            "models train under OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy and "
             "MultiWorkerMirroredStrategy; for FullyShardedStrategy or ParameterServerStrategy write "
             "the model as a torch.nn.Module (td.keras.Model gives it Keras' fit)."
         )
