@@ -28,6 +28,9 @@ masks).
 
 >>> seed_offset(0), seed_offset(1) != seed_offset(2)
 (0, True)
+>>> state = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)  # seed, offset
+>>> _base(state, torch.device("cuda")) != _base(state.roll(8), torch.device("cuda"))
+True
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch_distribute.strategies.replica_rng import in_replica_stream, replica_s
 #: The name Keras gives a ``SeedGenerator``'s state variable (``keras_seams.KERAS_TARGETS``).
 SEED_STATE_NAME = "seed_generator_state"
 
+_MASK64 = (1 << 64) - 1
 _OFFSET_BASE = 0x6B657261  # any constant: the offsets only need to differ between replicas
 _device_locks: dict[str, threading.Lock] = {}
 _locks_lock = threading.Lock()
@@ -109,10 +113,17 @@ def own_torch_stream(device: torch.device, replica_id: int) -> Iterator[None]:
 
 
 def _base(state: torch.Tensor, device: torch.device) -> int:
-    """One 64-bit number read from a generator state (the same state gives the same number)."""
-    scratch = torch.Generator(device=device)
-    scratch.set_state(state)
-    return int(torch.empty((), dtype=torch.int64, device=device).random_(generator=scratch)) & ((1 << 64) - 1)
+    """One 64-bit number read from a generator state (the same state gives the same number),
+    without touching the device: a CPU generator's first draw, a CUDA one's seed and offset."""
+    if device.type == "cpu":
+        scratch = torch.Generator()
+        scratch.set_state(state)
+        return int(torch.empty((), dtype=torch.int64).random_(generator=scratch)) & _MASK64
+    value, mixed = int.from_bytes(bytes(state.tolist()), "little"), 0
+    while value:  # every 64-bit word of the state (a CUDA generator's: its seed and its offset)
+        mixed = replica_seed(mixed ^ (value & _MASK64), 0)
+        value >>= 64
+    return mixed
 
 
 def _cuda_generator(device: torch.device) -> torch.Generator:
