@@ -195,6 +195,40 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
         train(td.MirroredStrategy(["cpu:0", "cpu:1"]))
 
 
+def test_a_custom_loops_forward_in_each_replica():
+    """Inside strategy.run: BatchNormalization's moving statistics are the mean over the
+    replicas (equal halves: one device's), each replica draws its own dropout mask, and a loss
+    added in the forward, which Keras keeps in one list the replica threads would share, is
+    refused by name."""
+    x = torch.tensor(np.random.default_rng(0).random((16, 32), dtype=np.float32)) * 3
+    seen = _Recorder.seen
+
+    def step_once(strategy, layers):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((32,)), *layers(), keras.layers.Dense(1)])
+        seen.clear()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
+        for (batch,) in strategy.experimental_distribute_dataset(loader):
+            strategy.run(lambda b: model(b, training=True), args=(batch,))
+        return model
+
+    def normalized():
+        return [keras.layers.Dense(3), keras.layers.BatchNormalization()]
+
+    one = step_once(td.OneDeviceStrategy("cpu"), normalized).layers[1].moving_mean.numpy()
+    got = step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), normalized).layers[1].moving_mean.numpy()
+    assert not np.allclose(one, 0)
+    _close(got, one, atol=1e-7)  # before: replica 0's statistics only
+
+    step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), lambda: [keras.layers.Dropout(0.5, seed=3), _Recorder()])
+    masks = {replica: rows != 0 for replica, rows in seen}
+    assert sorted(masks) == [0, 1] and not torch.equal(masks[0], masks[1])
+
+    with pytest.raises(td.KerasUnsupportedError, match="add_loss"):
+        step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), lambda: [_AddsLoss("mean")])
+
+
 def test_what_a_forward_changes_adds_or_masks_is_one_devices():
     """BatchNormalization's moving mean is the mean over the replicas (equal halves: one
     device's); an activity regularizer's loss and a masked sequence's loss are one device's."""

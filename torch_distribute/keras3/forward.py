@@ -31,6 +31,7 @@ every replica and worker).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +128,47 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         if isinstance(tensor, torch.Tensor) and isinstance(mask, torch.Tensor):
             keras_seams.set_output_mask(keras, tensor, mask)
     return local
+
+
+def in_replica(strategy: Strategy, keras: ModuleType, model: Any, call: Callable[..., Any], args: tuple,
+               kwargs: dict) -> Any:
+    """``call(*args, **kwargs)``, the model's forward inside ``strategy.run`` (a custom training
+    loop), as each replica of one device's step: with random numbers of its own
+    (``replica_random``), and what it assigns to the model's state applied once for every
+    replica in a ``merge_call`` (``BatchNormalization``'s moving statistics: the mean over the
+    replicas and workers, as TensorFlow's ON_READ MEAN variables read).
+
+    The losses the forward adds (``add_loss``, activity regularizers) are the model's, as Keras
+    keeps them (``model.losses``), where this process runs one replica; several replica threads
+    would share that list, so there they raise ``KerasUnsupportedError``."""
+    replica = context.get_replica_context()
+    extended = strategy.extended
+    device, replica_id = extended.replica_devices[replica.local_replica_id], replica.replica_id_in_sync_group
+    states = list(model.non_trainable_variables)
+    mapping = replica_random.seeded_mapping(states, replica_id)
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+            replica_random.own_torch_stream(device, replica_id):
+        out = call(*args, **kwargs)
+    collected = _Collected(list(scope.losses), [_assigned(scope, v, replica_id) for v in states])
+    if collected.losses:
+        if extended.num_local_replicas > 1:
+            raise KerasUnsupportedError(
+                f"{type(model).__name__}'s layers added losses in their forward (add_loss, activity "
+                f"regularizers) inside {type(strategy).__name__}.run with {extended.num_local_replicas} "
+                "replicas in this process: Keras keeps them in one list per layer (model.losses), which "
+                "the replicas' threads would overwrite. Train with fit (it combines them as one device), "
+                "or one replica per process (MultiWorkerMirroredStrategy), or compute the term in the "
+                "step from the model's outputs."
+            )
+        for loss in collected.losses:
+            model.add_loss(loss)
+    if states:
+        def merge(merged_strategy: Strategy, per_replica: Any) -> None:
+            parts = per_replica.values if isinstance(per_replica, PerReplica) else (per_replica,)
+            _update_states(merged_strategy, states, list(parts))
+
+        replica.merge_call(merge, args=(collected,))
+    return out
 
 
 def _assigned(scope: Any, variable: Any, replica_id: int) -> Any:

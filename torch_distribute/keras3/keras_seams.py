@@ -166,6 +166,11 @@ def output_mask(keras: ModuleType, tensor: Any) -> Any:
     return keras.src.backend.get_keras_mask(tensor)
 
 
+def in_stateless_scope(keras: ModuleType) -> bool:
+    """Whether a ``keras.StatelessScope`` is open on this thread (Keras' own test)."""
+    return bool(keras.src.backend.in_stateless_scope())
+
+
 def set_output_mask(keras: ModuleType, tensor: Any, mask: Any) -> None:
     """Attach ``mask`` to ``tensor`` as Keras attaches a layer's output mask."""
     keras.src.backend.set_keras_mask(tensor, mask)

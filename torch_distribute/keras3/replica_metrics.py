@@ -217,7 +217,7 @@ def check_assign(variable: Any, keras: ModuleType) -> None:
     """Refuse a metric variable (``synchronization="on_read"``) assigned inside ``run`` with
     several replicas by a metric this module does not serve (made before any scope)."""
     if (variable.synchronization != "on_read" or _in_served_update()
-            or keras.src.backend.in_stateless_scope() or _replica() is None):
+            or keras.src.backend.in_stateless_scope() or _replica() is None):  # KERAS_TARGETS lists it
         return
     replica = _replica()
     raise KerasUnsupportedError(

@@ -10,7 +10,9 @@ thin layer over the model's own method:
   same batch (``input_check``).
 - ``call``: within such a step, the model's forward on the global batch is spread over every
   replica of every worker and the outputs of the whole batch are returned (``forward``), so
-  the loss and the metrics are one device's. Anywhere else, the model's own call.
+  the loss and the metrics are one device's. Inside ``strategy.run`` (a custom training loop),
+  each replica's forward as ``forward.in_replica`` runs it (random numbers of its own, state
+  updates applied once). Anywhere else, the model's own call.
 - ``fit``/``evaluate``/``predict`` and ``train_on_batch``/``test_on_batch``/
   ``predict_on_batch``: run in the strategy's scope (weights built lazily at the first batch
   are made there) on its device (``keras.device``), with the callbacks adapted to several
@@ -123,10 +125,12 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
         step = step_context.current()
         if (step is None or step.forwarding or step.model is not model_ref() or not args
                 or not _is_spread(strategy) or not _concrete(args[0])):
-            if getattr(model_ref(), "built", True):
-                return original_call(*args, **kwargs)
-            with home_scope(strategy, keras):  # a call that builds the model's weights
-                return original_call(*args, **kwargs)
+            if not getattr(model_ref(), "built", True):
+                with home_scope(strategy, keras):  # a call that builds the model's weights
+                    return original_call(*args, **kwargs)
+            if _in_replica_of(strategy, keras):  # a custom training loop's forward
+                return forward.in_replica(strategy, keras, model_ref(), original_call, args, kwargs)
+            return original_call(*args, **kwargs)
         with step_context.flag(step, "forwarding"):
             return forward.spread(strategy, keras, model_ref(), args, kwargs, step.kind == "train")
 
@@ -172,6 +176,14 @@ def _set(model: Any, name: str, value: Callable[..., Any]) -> None:
 def _is_spread(strategy: Strategy) -> bool:
     extended = strategy.extended
     return extended.num_local_replicas > 1 or extended.num_workers_in_sync > 1
+
+
+def _in_replica_of(strategy: Strategy, keras: ModuleType) -> bool:
+    """Whether this is a replica of ``strategy.run`` with several replicas, outside every
+    ``keras.StatelessScope`` (a served step's replica forward runs in one already)."""
+    replica = context.get_replica_context()
+    return (replica is not None and replica.num_replicas_in_sync > 1 and replica.strategy is strategy
+            and not keras_seams.in_stateless_scope(keras))
 
 
 def _concrete(inputs: Any) -> bool:
