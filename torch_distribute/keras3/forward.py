@@ -250,12 +250,15 @@ def _update_states(strategy: Strategy, states: list[Any], collected: list[_Colle
     """Apply what the replicas' forwards assigned to the model's non-trainable variables:
     floating ones get the mean over the replicas (and workers) that changed them
     (``BatchNormalization``'s moving statistics, as TensorFlow's ON_READ MEAN variables), the
-    others replica 0's value (a seed generator's state: every replica advanced it alike)."""
+    others replica 0's value (a seed generator's state: every replica and worker advanced it
+    alike, so no worker needs another's)."""
     extended = strategy.extended
     changed = [any(c.values[i] is not None for c in collected) for i in range(len(states))]
-    if extended.num_workers_in_sync > 1:  # every worker averages the same variables
-        flags = torch.tensor([1.0 if c else 0.0 for c in changed], dtype=torch.float64)
-        changed = [f > 0 for f in extended.reduce_across_workers(flags).tolist()]
+    averaged = [i for i, variable in enumerate(states) if variable.value.is_floating_point()]
+    if extended.num_workers_in_sync > 1 and averaged:  # every worker averages the same variables
+        flags = torch.tensor([1.0 if changed[i] else 0.0 for i in averaged], dtype=torch.float64)
+        for i, flag in zip(averaged, extended.reduce_across_workers(flags).tolist(), strict=True):
+            changed[i] = flag > 0
     floating: dict[torch.dtype, list[int]] = {}
     for i, variable in enumerate(states):
         if not changed[i]:

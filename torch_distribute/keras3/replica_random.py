@@ -13,14 +13,16 @@ places, and each gets one rule:
   one device draws for its first rows), and the state kept afterwards is the generator's own,
   advanced as one device advances it (``without_offset``).
 - **torch's default generator** (Keras' ``Dropout`` without a seed calls torch's dropout). CPU
-  replicas of one process already draw from generators of their own
-  (``strategies/replica_rng.py``). A replica computed on the calling thread (one per worker
-  under ``MultiWorkerMirroredStrategy``, whose workers share a seed so that they read the
-  same batches) or on a GPU draws, during its forward, from its device's generator reseeded
-  with ``replica_seed(base, r)``, ``base`` read from the generator's state (the same on every
-  worker); afterwards the generator is put back and, if the forward drew from it, advanced
-  by one draw, so the next step draws other numbers and a model that draws nothing leaves it
-  untouched (a shuffle reading it stays one device's).
+  replica threads of one process already draw from generators of their own
+  (``strategies/replica_rng.py``: ``replica_seed(base, r)``, ``base`` drawn from the process's
+  generator at the step's first draw). A CPU replica computed on the calling thread (one per
+  worker under ``MultiWorkerMirroredStrategy``, whose workers share a seed so that they read
+  the same batches) gets the same ``ReplicaRandomMode``. A GPU replica draws, during its
+  forward, from its device's generator reseeded with ``replica_seed(base, r)``, ``base`` read
+  from that generator's seed and offset (the same on every worker); afterwards the generator
+  is put back and, if the forward drew from it, advanced by one draw. Either way the next step
+  draws other numbers, and a model that draws nothing leaves the generators untouched (a
+  shuffle reading them stays one device's).
 
 So the replicas' masks are independent, as one device's rows are; a model with dropout trains
 as one device does in distribution, not bitwise (no data-parallel run reproduces one device's
@@ -29,7 +31,7 @@ masks).
 >>> seed_offset(0), seed_offset(1) != seed_offset(2)
 (0, True)
 >>> state = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)  # seed, offset
->>> _base(state, torch.device("cuda")) != _base(state.roll(8), torch.device("cuda"))
+>>> _base(state) != _base(state.roll(8))
 True
 """
 
@@ -42,7 +44,12 @@ from typing import Any
 
 import torch
 
-from torch_distribute.strategies.replica_rng import in_replica_stream, replica_seed
+from torch_distribute.strategies.replica_rng import (
+    ReplicaRandomMode,
+    RunSeed,
+    in_replica_stream,
+    replica_seed,
+)
 
 #: The name Keras gives a ``SeedGenerator``'s state variable (``keras_seams.KERAS_TARGETS``).
 SEED_STATE_NAME = "seed_generator_state"
@@ -98,10 +105,16 @@ def own_torch_stream(device: torch.device, replica_id: int) -> Iterator[None]:
     if in_replica_stream() or device.type not in ("cpu", "cuda"):
         yield
         return
-    generator = torch.default_generator if device.type == "cpu" else _cuda_generator(device)
+    if device.type == "cpu":
+        # The CPU replica threads' own mode: each sampling call swaps the process's generator
+        # for the replica's under one lock, so no other thread ever draws the replica's numbers.
+        with ReplicaRandomMode(RunSeed(), replica_id):
+            yield
+        return
+    generator = _cuda_generator(device)
     with _lock_for(device):
         saved = generator.get_state()
-        generator.manual_seed(replica_seed(_base(saved, device), replica_id))
+        generator.manual_seed(replica_seed(_base(saved), replica_id))
         start = generator.get_state()
         try:
             yield
@@ -112,15 +125,11 @@ def own_torch_stream(device: torch.device, replica_id: int) -> Iterator[None]:
                 torch.empty((), dtype=torch.int64, device=device).random_(generator=generator)
 
 
-def _base(state: torch.Tensor, device: torch.device) -> int:
-    """One 64-bit number read from a generator state (the same state gives the same number),
-    without touching the device: a CPU generator's first draw, a CUDA one's seed and offset."""
-    if device.type == "cpu":
-        scratch = torch.Generator()
-        scratch.set_state(state)
-        return int(torch.empty((), dtype=torch.int64).random_(generator=scratch)) & _MASK64
+def _base(state: torch.Tensor) -> int:
+    """One 64-bit number read from a CUDA generator's state (its seed and offset), on the host:
+    the same state gives the same number."""
     value, mixed = int.from_bytes(bytes(state.tolist()), "little"), 0
-    while value:  # every 64-bit word of the state (a CUDA generator's: its seed and its offset)
+    while value:
         mixed = replica_seed(mixed ^ (value & _MASK64), 0)
         value >>= 64
     return mixed
