@@ -144,15 +144,17 @@ def _agree(strategy: Strategy, model: Any, local: tuple[str, ...]) -> tuple[str,
     for index in range(len(local)):
         seen = {_KINDS[int(code)] for code in every[:, index].tolist()} - {"unknown"}
         if "neither" in seen or len(seen) > 1:
+            found = ("is neither a mean over the batch's rows nor a sum over them: its value on some rows "
+                     "is neither its values on their halves weighted by their rows nor their sum"
+                     if "neither" in seen else
+                     f"was found a mean on some workers and a sum on others ({sorted(seen)})")
             raise KerasUnsupportedError(
                 f"Loss {index + 1} of the {len(local)} that {type(model).__name__}'s layers add in their "
-                f"forward (add_loss, activity regularizers) is {'neither' if 'neither' in seen else 'not clearly'} "
-                "a mean over the batch's rows nor a sum over them: its value on some rows is neither its "
-                f"values on their halves weighted by their rows nor their sum ({sorted(seen)}). Under {type(strategy).__name__} with "
-                f"{strategy.num_replicas_in_sync} replicas each replica computes it on its own rows, and "
-                "only a mean (or a value independent of the rows) or a sum can be combined into one "
-                "device's. Add a mean (ops.mean) or a sum (ops.sum) over the batch, or compute such a loss "
-                "in compute_loss/train_step on the whole batch's outputs."
+                f"forward (add_loss, activity regularizers) {found}. Under {type(strategy).__name__} "
+                f"with {strategy.num_replicas_in_sync} replicas each replica computes it on its own "
+                "rows, and only a mean (or a value independent of the rows) or a sum can be combined "
+                "into one device's. Add a mean (ops.mean) or a sum (ops.sum) over the batch, or compute "
+                "such a loss in compute_loss/train_step on the whole batch's outputs."
             )
         agreed.append(seen.pop() if seen else "unknown")
     return tuple(agreed)

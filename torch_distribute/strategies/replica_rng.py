@@ -45,6 +45,7 @@ def in_replica_stream() -> bool:
     """
     return getattr(_entered, "depth", 0) > 0
 
+
 _TORCH = ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
           "multinomial", "normal", "poisson", "binomial", "dropout", "dropout_", "alpha_dropout", "alpha_dropout_",
           "feature_dropout", "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
