@@ -10,7 +10,10 @@ On the first attempt worker 1 kills itself (SIGKILL) when the third epoch begins
 restarts both workers, which restore the chief's backup and finish. Both workers then hold
 the weights one device gets from the uninterrupted tutorial, ``evaluate`` and ``predict``
 agree, the progress bar and the files are the chief's, and the chief's ``model.keras`` loads
-in plain Keras.
+in plain Keras. The tutorial's model has no input shape (its weights are built at ``fit``'s
+first batch, in the scope). The same job also checks that each worker draws its own dropout
+masks, that a Keras metric updated inside ``strategy.run`` reads every worker's rows, and that
+losses layers add (a sum and a mean over the rows) give one device's training.
 
 This file is also the worker script (``worker()``).
 """
