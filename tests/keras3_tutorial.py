@@ -42,9 +42,12 @@ def decay(epoch: int) -> float:
     return 1e-5
 
 
-def build_and_compile() -> keras.Model:
+def build_and_compile(input_shape: bool = True) -> keras.Model:
+    """The tutorial's model; ``input_shape=False``: its first layer without one (the model has
+    no weights until its first batch, which ``fit`` gives it)."""
+    shape = {"input_shape": (28, 28, 1)} if input_shape else {}
     model = keras.Sequential([
-        keras.layers.Conv2D(8, 3, activation="relu", input_shape=(28, 28, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu", **shape),
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
         keras.layers.Dense(16, activation="relu"),
@@ -56,19 +59,21 @@ def build_and_compile() -> keras.Model:
 
 
 def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: int = 0,
-        early_stopping: bool = False) -> dict:
+        early_stopping: bool = False, input_shape: bool = True) -> dict:
     """The tutorial under ``strategy`` (``None``: one device, no strategy), with the global
     batch of ``num_replicas`` replicas; everything its steps produce, as plain values.
 
     ``early_stopping``: also an ``EarlyStopping`` that stops after the last epoch (whose loss
-    improves by less than ``min_delta``) and restores the weights of the epoch before."""
+    improves by less than ``min_delta``) and restores the weights of the epoch before.
+    ``input_shape=False``: the model's first layer has no input shape (``build_and_compile``)."""
     import contextlib
 
     (x_train, y_train), (x_eval, y_eval) = mnist_like()
     batch_size = BATCH_SIZE_PER_REPLICA * num_replicas
     keras.utils.set_random_seed(1)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = build_and_compile()
+        model = build_and_compile(input_shape)
+        built_in_scope = model.built
 
     checkpoint_dir = os.path.join(workdir, "training_checkpoints")
     checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt_{epoch}.weights.h5")
@@ -101,7 +106,8 @@ def run(strategy, workdir: str, num_replicas: int, extra_callbacks=(), verbose: 
         model.save(path)
     out = {"weights": weights, "history": history.history, "evaluate": evaluated, "predict": predicted,
            "learning_rates": learning_rates, "optimizer_iterations": int(model.optimizer.iterations.numpy()),
-           "stopped_epoch": stopper.stopped_epoch}
+           "stopped_epoch": stopper.stopped_epoch, "built_in_scope": built_in_scope,
+           "served": strategy is not None and _served(model) is strategy}
     if strategy is None or strategy.extended.num_workers_in_sync == 1:
         unreplicated = keras.models.load_model(path)
         unreplicated.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -111,7 +111,9 @@ def test_only_the_interception_module_touches_torch_classes():
         for needle in (".__init__ = ", "register_module_parameter_registration_hook",
                        "register_module_buffer_registration_hook", "register_optimizer_step_pre_hook",
                        "types.MethodType("):
-            if needle in text and relative != "strategies/interception.py":
+            # keras3/keras_seams.py wraps Keras' constructors (never torch's), in its own table.
+            keras_seam = relative == "keras3/keras_seams.py" and needle == ".__init__ = "
+            if needle in text and relative != "strategies/interception.py" and not keras_seam:
                 patching.append((relative, needle))
     assert patching == []
 

@@ -49,7 +49,11 @@ def one_device(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_tutorial_equals_one_device(name, one_device, tmp_path):
     strategy = STRATEGIES[name]()
-    got = keras3_tutorial.run(strategy, str(tmp_path), num_replicas=2)
+    # Under MirroredStrategy the model's first layer has no input shape: it has no weights in
+    # the scope and builds them at fit's first batch (before, it then trained on one device).
+    input_shape = name != "mirrored"
+    got = keras3_tutorial.run(strategy, str(tmp_path), num_replicas=2, input_shape=input_shape)
+    assert got["built_in_scope"] is input_shape and got["served"]
     for actual, expected in zip(got["weights"], one_device["weights"], strict=True):
         _close(actual, expected, atol=1e-6)
     assert got["history"].keys() == one_device["history"].keys() == {"loss", "accuracy", "learning_rate"}
@@ -191,6 +195,40 @@ def test_custom_training_loop_with_a_keras_optimizer_equals_one_device():
         train(td.MirroredStrategy(["cpu:0", "cpu:1"]))
 
 
+def test_a_custom_loops_forward_in_each_replica():
+    """Inside strategy.run: BatchNormalization's moving statistics are the mean over the
+    replicas (equal halves: one device's), each replica draws its own dropout mask, and a loss
+    added in the forward, which Keras keeps in one list the replica threads would share, is
+    refused by name."""
+    x = torch.tensor(np.random.default_rng(0).random((16, 32), dtype=np.float32)) * 3
+    seen = _Recorder.seen
+
+    def step_once(strategy, layers):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((32,)), *layers(), keras.layers.Dense(1)])
+        seen.clear()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
+        for (batch,) in strategy.experimental_distribute_dataset(loader):
+            strategy.run(lambda b: model(b, training=True), args=(batch,))
+        return model
+
+    def normalized():
+        return [keras.layers.Dense(3), keras.layers.BatchNormalization()]
+
+    one = step_once(td.OneDeviceStrategy("cpu"), normalized).layers[1].moving_mean.numpy()
+    got = step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), normalized).layers[1].moving_mean.numpy()
+    assert not np.allclose(one, 0)
+    _close(got, one, atol=1e-7)  # before: replica 0's statistics only
+
+    step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), lambda: [keras.layers.Dropout(0.5, seed=3), _Recorder()])
+    masks = {replica: rows != 0 for replica, rows in seen}
+    assert sorted(masks) == [0, 1] and not torch.equal(masks[0], masks[1])
+
+    with pytest.raises(td.KerasUnsupportedError, match="add_loss"):
+        step_once(td.MirroredStrategy(["cpu:0", "cpu:1"]), lambda: [_AddsLoss("mean")])
+
+
 def test_what_a_forward_changes_adds_or_masks_is_one_devices():
     """BatchNormalization's moving mean is the mean over the replicas (equal halves: one
     device's); an activity regularizer's loss and a masked sequence's loss are one device's."""
@@ -238,6 +276,174 @@ def test_what_a_forward_changes_adds_or_masks_is_one_devices():
             _close(actual, expected, atol=1e-7)
 
 
+class _Recorder(keras.layers.Layer):
+    """Records what each replica's rows look like after the layer before it."""
+
+    seen: list = []
+
+    def call(self, x):
+        if x.device.type != "meta":
+            replica = td.get_replica_context()
+            _Recorder.seen.append((None if replica is None else replica.replica_id_in_sync_group, x.detach().clone()))
+        return x
+
+
+@pytest.mark.parametrize("layer", ["Dropout(seed)", "Dropout", "GaussianNoise(seed)"])
+def test_every_replica_draws_its_own_random_numbers(layer):
+    """Dropout masks (and Keras' other random layers) differ between replicas, as they differ
+    between one device's rows: replica 0 draws what one device draws for its rows (from a
+    seeded generator), replica 1 other numbers; the seed generators advance as one device's."""
+    make = {"Dropout(seed)": lambda: keras.layers.Dropout(0.5, seed=7), "Dropout": lambda: keras.layers.Dropout(0.5),
+            "GaussianNoise(seed)": lambda: keras.layers.GaussianNoise(1.0, seed=7)}[layer]
+
+    def draws(strategy):
+        keras.utils.set_random_seed(3)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((256,)), make(), _Recorder(), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+        _Recorder.seen.clear()
+        for _ in range(3):
+            model.train_on_batch(np.ones((8, 256), np.float32), np.zeros((8, 1), np.float32))
+        seen = {}
+        for replica, rows in _Recorder.seen:
+            seen.setdefault(replica, []).append(rows)
+        states = [v.numpy().tolist() for v in model.non_trainable_variables]
+        return seen, states
+
+    one, one_states = draws(None)
+    got, states = draws(td.MirroredStrategy(["cpu:0", "cpu:1"]))
+    assert sorted(got) == [0, 1] and all(len(steps) == 3 for steps in got.values())
+    for step in range(3):
+        first, second = got[0][step], got[1][step]
+        assert not torch.equal(first, second)  # before: the same pattern on both replicas' rows
+        assert not torch.equal(first, got[0][step - 1])  # and another one at every step
+        if layer != "Dropout":  # a seeded generator: replica 0 continues one device's stream
+            assert torch.equal(first, one[0][step][:4])
+    if layer != "Dropout":
+        assert states == one_states  # the generators' [seed, counter]: advanced as one device's
+    both = torch.cat([rows for steps in got.values() for rows in steps])
+    if layer.startswith("Dropout"):
+        assert abs(float((both == 0).float().mean()) - 0.5) < 0.03  # rate 0.5 over 6144 draws
+
+
+def test_a_model_with_dropout_trains_as_one_device_does():
+    """Not bitwise (no data-parallel run draws one device's masks), but as well: the same
+    accuracy, the loss within 10%."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32)
+    y = (x @ rng.normal(size=8) > 0).astype(np.int64)
+
+    def fit(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+                                      keras.layers.Dropout(0.3), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=64, epochs=8, shuffle=False, verbose=0)
+        return model.evaluate(x, y, batch_size=128, verbose=0)
+
+    (loss, accuracy), (one_loss, one_accuracy) = fit(td.MirroredStrategy(["cpu:0", "cpu:1"])), fit(None)
+    assert one_accuracy > 0.95 and abs(accuracy - one_accuracy) < 0.02
+    assert abs(loss - one_loss) < 0.1 * one_loss
+
+
+def test_keras_metrics_updated_inside_run_are_every_replicas():
+    """TensorFlow's custom-loop tutorial with Keras metrics: updated by every replica inside
+    strategy.run, read outside; the results are one device's, epoch after epoch."""
+    generator = np.random.default_rng(1)
+    x = torch.tensor(generator.random((40, 5), dtype=np.float32))
+    y = torch.tensor(generator.integers(0, 3, 40))
+    logits = torch.tensor(generator.normal(size=(40, 3)).astype(np.float32))
+
+    def read(strategy):
+        with strategy.scope():
+            accuracy = keras.metrics.SparseCategoricalAccuracy()
+            loss = keras.metrics.Mean()
+            auc = keras.metrics.AUC(num_thresholds=20)  # a metric of many variables
+
+        def step(xb, yb, lb):
+            accuracy.update_state(yb, lb)
+            loss.update_state(xb.sum(axis=1))
+            auc.update_state(yb == 1, torch.softmax(lb, dim=1)[:, 1])
+            return accuracy.result()  # inside run: this replica's own view
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, logits), batch_size=8)
+        results = []
+        for _ in range(2):  # epochs
+            for batch in strategy.experimental_distribute_dataset(loader):
+                strategy.run(step, args=batch)
+            results.append([float(m.result()) for m in (accuracy, loss, auc)])
+            for metric in (accuracy, loss, auc):
+                metric.reset_state()
+        return results
+
+    expected = read(td.OneDeviceStrategy("cpu"))
+    got = read(td.MirroredStrategy(["cpu:0", "cpu:1"]))
+    assert expected[0] == expected[1] and expected[0][0] not in (0.0, 1.0)
+    _close(got, expected, rtol=1e-6)
+
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        metric = keras.metrics.Mean()
+    with pytest.raises(td.KerasUnsupportedError, match="outside run"):
+        strategy.run(lambda: metric.reset_state())
+    # A metric made before the integration could serve it: refused at its first update in run.
+    keras_seams.uninstall()
+    early = keras.metrics.Mean()
+    with strategy.scope():
+        pass
+    assert keras_seams.installed()
+    with pytest.raises(td.KerasUnsupportedError, match="made before any strategy's scope"):
+        strategy.run(lambda: early.update_state(torch.ones(2)))
+    early.update_state(torch.ones(2))  # outside run: Keras' own
+    assert float(early.result()) == 1.0
+
+
+class _AddsLoss(keras.layers.Layer):
+    """A layer that adds a loss of one kind on its input: a sum over the rows, a mean, a
+    penalty on its own weight (no rows), or a maximum (no split of the batch gives it)."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        reduce = {"sum": keras.ops.sum, "mean": keras.ops.mean, "max": keras.ops.max}.get(self.kind)
+        self.add_loss(0.01 * keras.ops.square(self.scale) if reduce is None
+                      else 0.001 * reduce(keras.ops.square(x * self.scale)))
+        return x * self.scale
+
+
+def test_losses_added_in_the_forward_are_one_devices():
+    """A sum over the batch's rows is summed over the replicas, a mean (and a penalty on the
+    weights) weighted by each replica's share, on a ragged split (8 and 7 rows): one device's
+    numbers. A loss that is neither is refused by name at the first step."""
+    data = np.random.default_rng(0).random((30, 6), dtype=np.float32)
+
+    def fit(strategy, kinds):
+        keras.utils.set_random_seed(0)
+        with strategy.scope() if strategy is not None else _null():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), *[_AddsLoss(k) for k in kinds],
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(data, data[:, :2], batch_size=15, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], model.get_weights(), model.evaluate(data, data[:, :2], batch_size=15, verbose=0)
+
+    kinds = ("sum", "mean", "weights")
+    (loss, weights, evaluated), (one_loss, one_weights, one_evaluated) = (
+        fit(td.MirroredStrategy(["cpu:0", "cpu:1"]), kinds), fit(None, kinds))
+    _close(loss, one_loss)
+    _close(evaluated, one_evaluated)
+    for actual, expected in zip(weights, one_weights, strict=True):
+        _close(actual, expected, atol=1e-7)
+    with pytest.raises(td.KerasUnsupportedError, match="neither a mean over the batch's rows nor a sum"):
+        fit(td.MirroredStrategy(["cpu:0", "cpu:1"]), ("max",))
+
+
 def _null():
     import contextlib
 
@@ -262,9 +468,10 @@ def test_what_cannot_be_served_is_refused_by_name():
 
     sharded = td.FullyShardedStrategy()
     try:
-        with pytest.raises(td.KerasUnsupportedError, match="FullyShardedStrategy"):
-            with sharded.scope():
-                keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        for layers in ([keras.Input((3,)), keras.layers.Dense(1)], [keras.layers.Dense(1)]):  # built or not
+            with pytest.raises(td.KerasUnsupportedError, match="FullyShardedStrategy.scope.*holds its own whole"):
+                with sharded.scope():
+                    keras.Sequential(layers)
     finally:
         sharded.extended.worker_group.close()
     # Parameter servers hold the variables remotely: the same refusal (no cluster needed to see it).
@@ -289,6 +496,13 @@ def test_keras_is_optional_and_must_use_the_torch_backend(monkeypatch):
             pass
 
 
+class _NoLayers(keras.Model):
+    """A subclassed model that registers nothing in torch when made."""
+
+    def call(self, x):
+        return x
+
+
 def test_the_keras_seams_are_the_ones_checked():
     """What the integration relies on in Keras has the call shape recorded for the tested
     versions: a Keras release that changes it fails here first."""
@@ -300,3 +514,15 @@ def test_the_keras_seams_are_the_ones_checked():
     assert keras_seams.installed()  # by the first scope entered with Keras imported
     for name in ("Optimizer", "LossScaleOptimizer", "MultiOptimizer"):
         assert getattr(getattr(keras.optimizers, name).apply, "__torch_distribute_wrapped__", False), name
+    assert getattr(keras.Model.__init__, "__torch_distribute_wrapped__", False)
+    # A seed generator's state, as replica_random.py moves each replica's seed.
+    from torch_distribute.keras3 import replica_random
+    generator = keras.random.SeedGenerator(11)
+    assert replica_random.is_seed_state(generator.state) and generator.state.numpy().tolist() == [11, 0]
+    assert generator.next().numpy().tolist() == [11, 0] and generator.state.numpy().tolist() == [11, 1]
+    # Every model class Keras has, and a subclass, goes through keras.Model.__init__ (how a model
+    # with no weights yet is found in a scope): a Keras release that stops calling it fails here.
+    strategy = td.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        made = [keras.Sequential([keras.layers.Dense(2)]), keras.Sequential(), _NoLayers()]
+    assert [td.keras3.served_by(model) is strategy for model in made] == [True, True, True]

@@ -123,7 +123,7 @@ def backup_and_restore_across_a_restart(strategy, creator) -> dict:
 
 def keras3_model_refused(strategy) -> str:
     """A Keras 3 model made in ParameterServerStrategy.scope(): the error it gets (a
-    td.KerasUnsupportedError when its first layer is built), or why nothing was tried."""
+    td.KerasUnsupportedError when it is made), or why nothing was tried."""
     os.environ["KERAS_BACKEND"] = "torch"
     try:
         import keras

@@ -15,13 +15,15 @@ concatenation) and each worker (through ``GatheredRows``, whose backward keeps t
 rows of the gradient: every worker computed the same loss) its share of the gradient, which
 the optimizer sums (``gradients.py``).
 
-Each replica's forward runs in a ``keras.StatelessScope`` of its own: what it assigns to the
-model's variables (``BatchNormalization``'s moving statistics, a seed generator's state) and
+Each replica's forward runs in a ``keras.StatelessScope`` of its own, with random numbers of
+its own (``replica_random.py``): what it assigns to the model's variables
+(``BatchNormalization``'s moving statistics, a seed generator's state) and
 the losses it adds (``add_loss``, activity regularizers) are collected, not applied, so every
 replica computes from the same state. Then floating variables get the mean over the replicas
 and workers (as TensorFlow's ON_READ MEAN variables), others replica 0's value, and the added
-losses are added to the model as one device would have them (each replica's weighted by its
-share of the global batch, summed over every replica and worker).
+losses are added to the model as one device would have them (``added_losses.py``: a mean over
+the rows weighted by each replica's share of the global batch, a sum as it is, summed over
+every replica and worker).
 
 >>> row_ranges(7, num_workers=2, num_local_replicas=2, worker_index=1)
 (4, [2, 1])
@@ -29,6 +31,7 @@ share of the global batch, summed over every replica and worker).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +40,7 @@ import torch
 from torch_distribute import context, nest
 from torch_distribute.errors import KerasUnsupportedError
 from torch_distribute.input.batching import batch_sizes_for_worker
-from torch_distribute.keras3 import keras_seams
+from torch_distribute.keras3 import added_losses, keras_seams, replica_random
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.values import PerReplica, select_replica
 
@@ -89,23 +92,28 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         per_replica.append((_rows(args, rows, offset, size), _rows(kwargs, rows, offset, size)))
         offset += size
     devices = extended.replica_devices
-    states = list(model.non_trainable_variables) if training else []
+    # What the forwards may assign: every non-trainable variable in training (BatchNormalization's
+    # statistics), the seed generators' states always (a random layer draws in inference too).
+    states = [v for v in model.non_trainable_variables if training or replica_random.is_seed_state(v)]
 
     def replica_forward(inputs: tuple[tuple, dict]) -> Any:
         replica_args, replica_kwargs = inputs
-        local_id = context.get_replica_context().local_replica_id
-        device = devices[local_id]
+        replica = context.get_replica_context()
+        device, replica_id = devices[replica.local_replica_id], replica.replica_id_in_sync_group
         # The replica's variable updates and added losses are collected, not applied: each
-        # replica computes from the same state, and the updates are combined below.
-        with keras.device(str(device)), keras.StatelessScope(collect_losses=True) as scope:
+        # replica computes from the same state, and the updates are combined below. Its random
+        # numbers are its own (replica_random.py).
+        mapping = replica_random.seeded_mapping(states, replica_id)
+        with keras.device(str(device)), keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+                replica_random.own_torch_stream(device, replica_id):
             out = model(*_on(replica_args, device), **_on(replica_kwargs, device))
-        return out, _Collected(list(scope.losses), [scope.get_current_value(v) for v in states])
+        return out, _Collected(list(scope.losses), [_assigned(scope, v, replica_id) for v in states])
 
     value: Any = PerReplica(per_replica) if len(per_replica) > 1 else per_replica[0]
     result = strategy.run(replica_forward, args=(value,))
     results = [select_replica(k, result) for k in range(len(per_replica))]
     collected = [r[1] for r in results]
-    _add_losses(strategy, model, collected, local_sizes, rows)
+    _add_losses(strategy, keras, model, collected, local_sizes, rows, per_replica)
     if states:
         _update_states(strategy, states, collected)
     outputs = tuple(r[0] for r in results)
@@ -120,6 +128,57 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         if isinstance(tensor, torch.Tensor) and isinstance(mask, torch.Tensor):
             keras_seams.set_output_mask(keras, tensor, mask)
     return local
+
+
+def in_replica(strategy: Strategy, keras: ModuleType, model: Any, call: Callable[..., Any], args: tuple,
+               kwargs: dict) -> Any:
+    """``call(*args, **kwargs)``, the model's forward inside ``strategy.run`` (a custom training
+    loop), as each replica of one device's step: with random numbers of its own
+    (``replica_random``), and what it assigns to the model's state applied once for every
+    replica in a ``merge_call`` (``BatchNormalization``'s moving statistics: the mean over the
+    replicas and workers, as TensorFlow's ON_READ MEAN variables read).
+
+    The losses the forward adds (``add_loss``, activity regularizers) are the model's, as Keras
+    keeps them (``model.losses``), where this process runs one replica; several replica threads
+    would share that list, so there they raise ``KerasUnsupportedError``."""
+    replica = context.get_replica_context()
+    extended = strategy.extended
+    device, replica_id = extended.replica_devices[replica.local_replica_id], replica.replica_id_in_sync_group
+    states = list(model.non_trainable_variables)
+    mapping = replica_random.seeded_mapping(states, replica_id)
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+            replica_random.own_torch_stream(device, replica_id):
+        out = call(*args, **kwargs)
+    collected = _Collected(list(scope.losses), [_assigned(scope, v, replica_id) for v in states])
+    if collected.losses:
+        if extended.num_local_replicas > 1:
+            raise KerasUnsupportedError(
+                f"{type(model).__name__}'s layers added losses in their forward (add_loss, activity "
+                f"regularizers) inside {type(strategy).__name__}.run with {extended.num_local_replicas} "
+                "replicas in this process: Keras keeps them in one list per layer (model.losses), which "
+                "the replicas' threads would overwrite. Train with fit (it combines them as one device), "
+                "or one replica per process (MultiWorkerMirroredStrategy), or compute the term in the "
+                "step from the model's outputs."
+            )
+        for loss in collected.losses:
+            model.add_loss(loss)
+    if states:
+        def merge(merged_strategy: Strategy, per_replica: Any) -> None:
+            parts = per_replica.values if isinstance(per_replica, PerReplica) else (per_replica,)
+            _update_states(merged_strategy, states, list(parts))
+
+        replica.merge_call(merge, args=(collected,))
+    return out
+
+
+def _assigned(scope: Any, variable: Any, replica_id: int) -> Any:
+    """What a replica's forward assigned to ``variable`` (``None``: nothing); a seed state
+    without the replica's offset (``None`` where the forward drew nothing from it)."""
+    value = scope.get_current_value(variable)
+    if value is None or not replica_random.is_seed_state(variable):
+        return value
+    value = replica_random.without_offset(value, replica_id)
+    return None if torch.equal(value, variable.value.to(value.device)) else value
 
 
 def _mask_of(keras: ModuleType, tensor: Any) -> Any:
@@ -142,24 +201,34 @@ class _Collected:
         self.values = values
 
 
-def _add_losses(strategy: Strategy, model: Any, collected: list[_Collected], sizes: list[int], rows: int) -> None:
-    """The losses the replicas' forwards added (``add_loss``, activity regularizers), as one
-    device's: each replica's, a mean over its rows, weighted by its share of the global batch,
-    summed over every replica and worker, added to ``model`` (differentiably)."""
+def _add_losses(strategy: Strategy, keras: ModuleType, model: Any, collected: list[_Collected], sizes: list[int],
+                rows: int, per_replica: list[tuple[tuple, dict]]) -> None:
+    """The losses the replicas' forwards added (``add_loss``, activity regularizers), combined
+    as one device's (``added_losses``: a mean weighted by each replica's share of the global
+    batch, a sum as it is), summed over every replica and worker, added to ``model``
+    (differentiably)."""
     extended = strategy.extended
-    counts = [len(c.losses) for c in collected]
-    if extended.num_workers_in_sync > 1:  # every worker adds one loss, or none
-        total_count = extended.reduce_across_workers(torch.tensor([float(max(counts))], dtype=torch.float64))
-        anywhere = float(total_count[0]) > 0
-    else:
-        anywhere = max(counts) > 0
-    if not anywhere:
+    counts = {len(c.losses) for c in collected}
+    if len(counts) > 1:
+        raise KerasUnsupportedError(
+            f"The replicas' forwards of {type(model).__name__} added different numbers of losses "
+            f"({sorted(counts)}): a loss added only for some rows (add_loss under a condition on the "
+            "data) cannot be combined into one device's. Add the same losses on every batch."
+        )
+    count = counts.pop()
+    if extended.num_workers_in_sync > 1:  # every worker adds as many losses
+        every = extended.gather_across_workers(torch.tensor([[count]], dtype=torch.int64), 0)
+        if len(set(every[:, 0].tolist())) > 1:
+            raise KerasUnsupportedError(
+                f"The workers' forwards of {type(model).__name__} added different numbers of losses "
+                f"({every[:, 0].tolist()} by worker): add the same losses on every batch."
+            )
+    if count == 0:
         return
-    device = extended.primary_device
-    local = torch.zeros((), device=device)
-    for part, size in zip(collected, sizes, strict=True):
-        for loss in part.losses:
-            local = local + loss.to(device).float().sum() * (size / rows)
+    largest = max(range(len(sizes)), key=lambda k: sizes[k])
+    probe_args, probe_kwargs = per_replica[largest] if sizes[largest] else ((), {})
+    kinds = added_losses.kinds(strategy, keras, model, count, probe_args, probe_kwargs, extended.primary_device)
+    local = added_losses.combine(strategy, [c.losses for c in collected], sizes, rows, kinds)
     total = SummedOverWorkers.apply(local, extended) if extended.num_workers_in_sync > 1 else local
     model.add_loss(total)
 
@@ -181,12 +250,15 @@ def _update_states(strategy: Strategy, states: list[Any], collected: list[_Colle
     """Apply what the replicas' forwards assigned to the model's non-trainable variables:
     floating ones get the mean over the replicas (and workers) that changed them
     (``BatchNormalization``'s moving statistics, as TensorFlow's ON_READ MEAN variables), the
-    others replica 0's value (a seed generator's state: every replica advanced it alike)."""
+    others replica 0's value (a seed generator's state: every replica and worker advanced it
+    alike, so no worker needs another's)."""
     extended = strategy.extended
     changed = [any(c.values[i] is not None for c in collected) for i in range(len(states))]
-    if extended.num_workers_in_sync > 1:  # every worker averages the same variables
-        flags = torch.tensor([1.0 if c else 0.0 for c in changed], dtype=torch.float64)
-        changed = [f > 0 for f in extended.reduce_across_workers(flags).tolist()]
+    averaged = [i for i, variable in enumerate(states) if variable.value.is_floating_point()]
+    if extended.num_workers_in_sync > 1 and averaged:  # every worker averages the same variables
+        flags = torch.tensor([1.0 if changed[i] else 0.0 for i in averaged], dtype=torch.float64)
+        for i, flag in zip(averaged, extended.reduce_across_workers(flags).tolist(), strict=True):
+            changed[i] = flag > 0
     floating: dict[torch.dtype, list[int]] = {}
     for i, variable in enumerate(states):
         if not changed[i]:

@@ -4,15 +4,27 @@ Keras 3 on torch offers no distribution hook: its ``fit`` runs ``train_step`` on
 thread, a model calls its variables' tensors directly, and an optimizer updates them itself.
 So the integration uses Keras' documented override points on the model it serves (its
 ``call``, ``train_step``/``test_step``/``predict_step``, ``fit``/``evaluate``/``predict``, set
-on that instance only: ``serving.py``) and wraps one public method of Keras' optimizer
-classes, ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
-through (``apply_gradients`` calls it). Nothing private of Keras is read or replaced.
+on that instance only: ``serving.py``) and wraps four public methods of Keras: the optimizer
+classes' ``apply(grads, trainable_variables=None)``, which every optimizer's update goes
+through (``apply_gradients`` calls it); ``keras.Model.__init__``, so that a model made in a
+scope belongs to that strategy even when it has no weights yet (TensorFlow's Keras records
+the strategy there too); ``keras.metrics.Metric.__init__``, so that a metric updated inside
+``strategy.run`` is sync-on-read (``replica_metrics.py``); and ``keras.Variable.assign``,
+which refuses, by name, a metric variable updated inside ``run`` by a metric made before
+that. Nothing private of Keras is replaced.
 
-One Keras internal is read (nothing is changed through it): a layer's output carries its mask
-in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`` /
+Two Keras internals are read (nothing is changed through them): a layer's output carries its
+mask in an attribute Keras sets and reads itself (``keras.src.backend.get_keras_mask`` /
 ``set_keras_mask``; Keras has no public accessor), which the losses use. The replicas'
 outputs are joined into new tensors, so their masks are joined too (``output_mask``,
-``set_output_mask``), else a masked sequence model would train on its padding.
+``set_output_mask``), else a masked sequence model would train on its padding. And
+``keras.src.backend.in_stateless_scope()``: an assignment inside a ``keras.StatelessScope``
+is collected, not applied, so ``Variable.assign``'s check lets it through.
+
+Each replica draws random numbers of its own (``replica_random.py``) through what Keras
+documents of ``keras.random.SeedGenerator``: its state is a variable named
+``seed_generator_state`` holding ``[seed, counter]``, and ``next()`` draws ``seed + counter``
+and advances the counter (the test of this table checks that on the installed Keras).
 
 ``CHANGES`` lists them with why and when; ``KERAS_TARGETS`` is the call shape each relies on,
 as found on the Keras versions in ``loaded.TESTED_KERAS``. ``tests/test_keras3.py`` compares
@@ -20,6 +32,8 @@ them with the installed Keras, so a Keras release that changes one fails in CI f
 
 >>> [change.target for change in CHANGES][:1]
 ['keras.optimizers.Optimizer.apply']
+>>> "keras.Model.__init__" in [change.target for change in CHANGES]
+True
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from types import ModuleType
 from typing import Any
 
 from torch_distribute import context
-from torch_distribute.keras3 import gradients, step_context
+from torch_distribute.keras3 import gradients, replica_metrics, step_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +69,11 @@ _APPLY_WHY = ("a Keras optimizer updates its variables itself (not through torch
               "per call; under several replicas it must apply, once, the gradient summed over "
               "every replica and worker, and Keras has no distribution hook on torch")
 _FIRST_MODEL = "when a strategy's scope is first entered with Keras imported (scope listener)"
+_MODEL_MADE_WHY = ("a model whose first layer has no input shape (TensorFlow's tutorials write it so) has "
+                   "no weights until its first batch, and nothing of torch (no module, no parameter) is "
+                   "registered while Keras makes it, so the torch hooks that find other models in a scope "
+                   "cannot see it; Keras has no hook at a model's construction. TensorFlow's Keras "
+                   "records the strategy in force in Model.__init__ and builds the variables in it later")
 _KEPT = ("never in a program (it passes through at once outside strategy.run and outside a served "
          "model's step); uninstall() undoes it, for tests")
 
@@ -68,10 +87,30 @@ CHANGES: tuple[Change, ...] = (
            "passes through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
     Change("keras.optimizers.MultiOptimizer.apply", "wrapped as Optimizer.apply (it defines its "
            "own); its inner optimizers' apply then pass through", _APPLY_WHY, _FIRST_MODEL, _KEPT),
+    Change("keras.Model.__init__", "wrapped: after Keras' own __init__, a model made in a strategy's "
+           "scope is served by that strategy (serving.serve), so its weights, built at its first batch "
+           "or build(), are built in that scope; outside every scope it passes through",
+           _MODEL_MADE_WHY, _FIRST_MODEL, _KEPT),
+    Change("keras.metrics.Metric.__init__", "wrapped: after Keras' own __init__, the metric's "
+           "update_state/result/reset_state are set on the instance: inside strategy.run with several "
+           "replicas each replica accumulates its own state (stateless_update_state), and result() "
+           "outside run adds every replica's and worker's first (replica_metrics.py); elsewhere they "
+           "pass through",
+           "a metric's variables are plain tensors shared by every replica thread and local to each "
+           "worker; Keras has no distribution hook on torch, and every metric class defines its own "
+           "update_state, so only the constructor they all call reaches every metric",
+           _FIRST_MODEL, _KEPT),
+    Change("keras.Variable.assign", "wrapped: a metric variable (synchronization='on_read') assigned "
+           "inside strategy.run with several replicas, outside a StatelessScope, by a metric not served "
+           "(made before the first scope) raises KerasUnsupportedError; every other assign passes through",
+           "a metric made before the wrappers exist cannot be served, and its update inside run would "
+           "race between replica threads and stay local to each worker; every metric update ends in "
+           "this method", _FIRST_MODEL, _KEPT),
     Change("a served model's call, train_step, test_step, predict_step, fit, evaluate, predict",
            "set on that instance (its class is untouched, so model.save records plain Keras): the "
            "forward is spread over the replicas within a step, and fit runs in the strategy's "
-           "scope with its callbacks adapted to several workers (serving.py)",
+           "scope with its callbacks adapted to several workers; build, and a call that builds, run "
+           "in the strategy's scope (serving.py)",
            "these are the documented ways to change what fit does; a Keras model made in a scope "
            "is found by the torch module registration hooks the strategy already uses",
            "when the model is made (or built) in a strategy's scope", "never: the model belongs to "
@@ -83,9 +122,17 @@ KERAS_TARGETS: dict[str, str] = {
     "optimizers.Optimizer.apply": "(self, grads, trainable_variables=None)",
     "optimizers.LossScaleOptimizer.apply": "(self, grads, trainable_variables=None)",
     "optimizers.MultiOptimizer.apply": "(self, grads, trainable_variables=None)",
+    "Model.__init__": "(self, *args, **kwargs)",
+    "metrics.Metric.__init__": "(self, dtype=None, name=None)",
+    "metrics.Metric.stateless_update_state": "(self, metric_variables, *args, **kwargs)",
+    "metrics.Metric.stateless_result": "(self, metric_variables)",
+    "metrics.Metric.stateless_reset_state": "(self)",
+    "Variable.assign": "(self, value)",
+    "src.backend.in_stateless_scope": "()",
     "Model.train_step": "(self, data)",
     "Model.test_step": "(self, data)",
     "Model.predict_step": "(self, data)",
+    "random.SeedGenerator.next": "(self, ordered=True)",
     "src.backend.get_keras_mask": "(x)",
     "src.backend.set_keras_mask": "(x, mask)",
     "Model.fit": ("(self, x=None, y=None, batch_size=None, epochs=1, verbose='auto', callbacks=None, "
@@ -117,6 +164,11 @@ def call_shape(keras: ModuleType, dotted: str) -> str:
 def output_mask(keras: ModuleType, tensor: Any) -> Any:
     """The mask Keras attached to a layer's output, or ``None``."""
     return keras.src.backend.get_keras_mask(tensor)
+
+
+def in_stateless_scope(keras: ModuleType) -> bool:
+    """Whether a ``keras.StatelessScope`` is open on this thread (Keras' own test)."""
+    return bool(keras.src.backend.in_stateless_scope())
 
 
 def set_output_mask(keras: ModuleType, tensor: Any, mask: Any) -> None:
@@ -167,9 +219,18 @@ def _require_variables(optimizer: Any) -> list[Any]:
     )
 
 
-def install(keras: ModuleType) -> None:
-    """Wrap the optimizers' ``apply`` (idempotent, thread-safe)."""
+_model_made: Callable[[Any], None] | None = None
+
+
+def install(keras: ModuleType, model_made: Callable[[Any], None] | None = None) -> None:
+    """Make the changes of ``CHANGES`` to Keras' classes (idempotent, thread-safe).
+
+    ``model_made(model)`` is called after every ``keras.Model``'s own ``__init__`` from now
+    on (the scope listener's: it serves a model made in a scope)."""
+    global _model_made
     with _lock:
+        if model_made is not None:
+            _model_made = model_made
         if _undo:
             return
         for name in _APPLY_CLASSES:
@@ -179,13 +240,54 @@ def install(keras: ModuleType) -> None:
             own = cls.__dict__.get("apply")
             setattr(cls, "apply", _wrap_apply(cls.apply))  # noqa: B010 - a class attribute, undone below
             _undo.append(functools.partial(_restore, cls, own))
+        for cls, hook in ((keras.Model, _model_made_hook), (keras.metrics.Metric, _metric_made_hook(keras))):
+            own_init = cls.__dict__["__init__"]
+            if not getattr(own_init, "__torch_distribute_wrapped__", False):
+                cls.__init__ = _after_init(own_init, hook)
+                _undo.append(functools.partial(_restore, cls, own_init, "__init__"))
+        variable_class = keras.Variable
+        if not getattr(variable_class.assign, "__torch_distribute_wrapped__", False):
+            own_assign = variable_class.__dict__.get("assign")
+            variable_class.assign = _checked_assign(variable_class.assign, keras)
+            _undo.append(functools.partial(_restore, variable_class, own_assign, "assign"))
 
 
-def _restore(cls: type, own: Any) -> None:
+def _model_made_hook(model: Any) -> None:
+    hook = _model_made
+    if hook is not None:
+        hook(model)
+
+
+def _metric_made_hook(keras: ModuleType) -> Callable[[Any], None]:
+    return lambda metric: replica_metrics.serve(metric, keras)
+
+
+def _after_init(original: Callable[..., None], hook: Callable[[Any], None]) -> Callable[..., None]:
+    """``original`` (a class's ``__init__``), then ``hook(self)``."""
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        hook(self)
+
+    __init__.__torch_distribute_wrapped__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _checked_assign(original: Callable[..., Any], keras: ModuleType) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def assign(self: Any, value: Any) -> Any:
+        replica_metrics.check_assign(self, keras)
+        return original(self, value)
+
+    assign.__torch_distribute_wrapped__ = True  # type: ignore[attr-defined]
+    return assign
+
+
+def _restore(cls: type, own: Any, name: str = "apply") -> None:
     if own is None:
-        delattr(cls, "apply")  # noqa: B043 - back to the inherited method
+        delattr(cls, name)  # back to the inherited method
     else:
-        setattr(cls, "apply", own)  # noqa: B010
+        setattr(cls, name, own)
 
 
 def installed() -> bool:

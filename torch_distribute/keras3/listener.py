@@ -4,7 +4,11 @@ The strategies layer tells its scope listeners (``strategies/interception.py``) 
 is entered and of every submodule registered in one. A Keras 3 layer on the torch backend is a
 ``torch.nn.Module`` that registers its variables' tensors (a ``ParameterDict``) when it is
 built, and a model registers its layers: so a model built in the scope, or one whose layers
-are made there (a subclassed model), is seen there, and served (``serving.serve``).
+are made there (a subclassed model), is seen there, and served (``serving.serve``). A model
+that has no weights yet and no layer registered (a ``keras.Sequential`` whose first layer has
+no input shape) registers nothing in torch: it is found when it is made, through
+``keras.Model.__init__`` (``keras_seams``), and served all the same; its weights are then
+built in the strategy's scope at its first batch.
 
 On entering a scope, with Keras imported: Keras must use the torch backend
 (``KerasBackendError`` otherwise: its models would not be torch modules, and would train
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 
 from torch_distribute.keras3 import keras_seams, loaded, serving
+from torch_distribute.strategies import interception
 from torch_distribute.strategies.interception import ScopedStrategy
 
 if TYPE_CHECKING:
@@ -39,8 +44,17 @@ class KerasScopeListener:
         if keras is None:
             return None
         serving.check_no_keras_distribution(keras, cast("Strategy", strategy))
-        keras_seams.install(keras)  # a Keras optimizer made here sums its replicas' gradients
+        # A Keras optimizer made here sums its replicas' gradients; a model made here is served.
+        keras_seams.install(keras, model_made=self.model_made)
         return keras.device(str(strategy.extended.primary_device))
+
+    def model_made(self, model: Any) -> None:
+        """A ``keras.Model`` was just made (``keras_seams``' ``Model.__init__``): in a strategy's
+        scope, that strategy serves it from now on, weights or not, as in TensorFlow."""
+        strategy = interception.scope_strategy()
+        keras = loaded.imported_keras() if strategy is not None else None
+        if strategy is not None and keras is not None:
+            serving.serve(model, cast("Strategy", strategy), keras)
 
     def submodule_captured(self, strategy: ScopedStrategy, parent: nn.Module, name: str,
                            child: nn.Module) -> None:

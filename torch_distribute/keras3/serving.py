@@ -10,10 +10,16 @@ thin layer over the model's own method:
   same batch (``input_check``).
 - ``call``: within such a step, the model's forward on the global batch is spread over every
   replica of every worker and the outputs of the whole batch are returned (``forward``), so
-  the loss and the metrics are one device's. Anywhere else, the model's own call.
-- ``fit``/``evaluate``/``predict``: run in the strategy's scope (weights built lazily at the
-  first batch are made there) on its device (``keras.device``), with the callbacks adapted to
-  several workers (``callbacks``), after the checks that refuse what cannot be served.
+  the loss and the metrics are one device's. Inside ``strategy.run`` (a custom training loop),
+  each replica's forward as ``forward.in_replica`` runs it (random numbers of its own, state
+  updates applied once). Anywhere else, the model's own call.
+- ``fit``/``evaluate``/``predict`` and ``train_on_batch``/``test_on_batch``/
+  ``predict_on_batch``: run in the strategy's scope (weights built lazily at the first batch
+  are made there) on its device (``keras.device``), with the callbacks adapted to several
+  workers (``callbacks``), after the checks that refuse what cannot be served.
+- ``build``, and a ``call`` of a model not built yet (``model(x)`` before ``fit``): run in the
+  strategy's scope when called outside every scope, so that the weights a model made in the
+  scope builds later are the strategy's, wherever its first batch comes from.
 
 The optimizer then sums the replicas' and workers' gradients before applying them
 (``keras_seams``: ``Optimizer.apply``). The class is untouched: ``model.save`` writes a file
@@ -26,14 +32,16 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_distribute import context
 from torch_distribute.errors import ContextError, KerasUnsupportedError
 from torch_distribute.keras3 import callbacks as worker_callbacks
 from torch_distribute.keras3 import forward, input_check, keras_seams, step_context
@@ -57,9 +65,11 @@ def check_strategy(strategy: Strategy, what: str) -> None:
     if not strategy.extended.keeps_captured_tensors:
         raise KerasUnsupportedError(
             f"{what} in {type(strategy).__name__}.scope(): this strategy replaces the parameters "
-            "of the modules made in its scope (sharded or remote ones), but a Keras layer computes "
-            "with its own variables' tensors, so it would never use them. Keras 3 models train "
-            "under OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy and "
+            "of the modules made in its scope by sharded or remote ones, but a Keras variable holds "
+            "its own whole tensor (Keras has no public way to make it hold a shard): its layers "
+            "would compute with it, its optimizer would update it (its slot variables whole, next to "
+            "the shards), and get_weights/save would read it, never the strategy's tensors. Keras 3 "
+            "models train under OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy and "
             "MultiWorkerMirroredStrategy; for FullyShardedStrategy or ParameterServerStrategy write "
             "the model as a torch.nn.Module (td.keras.Model gives it Keras' fit)."
         )
@@ -115,6 +125,11 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
         step = step_context.current()
         if (step is None or step.forwarding or step.model is not model_ref() or not args
                 or not _is_spread(strategy) or not _concrete(args[0])):
+            if not getattr(model_ref(), "built", True):
+                with home_scope(strategy, keras):  # a call that builds the model's weights
+                    return original_call(*args, **kwargs)
+            if _in_replica_of(strategy, keras):  # a custom training loop's forward
+                return forward.in_replica(strategy, keras, model_ref(), original_call, args, kwargs)
             return original_call(*args, **kwargs)
         with step_context.flag(step, "forwarding"):
             return forward.spread(strategy, keras, model_ref(), args, kwargs, step.kind == "train")
@@ -124,8 +139,33 @@ def serve(model: Any, strategy: Strategy, keras: ModuleType) -> None:
     call.__doc__ = original_call.__doc__
     _set(model, "call", call)
 
-    for name in ("fit", "evaluate", "predict"):
+    original_build = model.build  # Keras' own wrapper of the class's build, on the instance
+
+    @functools.wraps(original_build)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        with home_scope(strategy, keras):
+            return original_build(*args, **kwargs)
+
+    _set(model, "build", build)
+
+    for name in LOOPS:
         _set(model, name, _wrap_loop(model_ref, strategy, keras, getattr(model, name)))
+
+
+#: A served model's methods that run in its strategy's scope, after the checks.
+LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+@contextlib.contextmanager
+def home_scope(strategy: Strategy, keras: ModuleType) -> Iterator[None]:
+    """``strategy``'s scope (and its device for Keras' new variables) where no strategy's
+    scope or ``run`` is in force; nothing where one is (its own, or another's: then that
+    strategy's checks apply)."""
+    if context.has_strategy():
+        yield
+        return
+    with strategy.scope(), keras.device(str(strategy.extended.primary_device)):
+        yield
 
 
 def _set(model: Any, name: str, value: Callable[..., Any]) -> None:
@@ -136,6 +176,14 @@ def _set(model: Any, name: str, value: Callable[..., Any]) -> None:
 def _is_spread(strategy: Strategy) -> bool:
     extended = strategy.extended
     return extended.num_local_replicas > 1 or extended.num_workers_in_sync > 1
+
+
+def _in_replica_of(strategy: Strategy, keras: ModuleType) -> bool:
+    """Whether this is a replica of ``strategy.run`` with several replicas, outside every
+    ``keras.StatelessScope`` (a served step's replica forward runs in one already)."""
+    replica = context.get_replica_context()
+    return (replica is not None and replica.num_replicas_in_sync > 1 and replica.strategy is strategy
+            and not keras_seams.in_stateless_scope(keras))
 
 
 def _concrete(inputs: Any) -> bool:

@@ -28,10 +28,23 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ReplicaRandomMode", "RunSeed", "replica_seed"]
+__all__ = ["ReplicaRandomMode", "RunSeed", "in_replica_stream", "replica_seed"]
 
 _MASK = (1 << 64) - 1
 _LOCK = threading.Lock()
+_entered = threading.local()  # how many ReplicaRandomModes this thread is in
+
+
+def in_replica_stream() -> bool:
+    """Whether this thread's sampling already draws from a replica's own generator (inside a
+    CPU replica thread's ``ReplicaRandomMode``): a layer above that gives replicas streams of
+    their own (the Keras 3 integration) leaves such a replica alone.
+
+    >>> in_replica_stream()
+    False
+    """
+    return getattr(_entered, "depth", 0) > 0
+
 
 _TORCH = ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
           "multinomial", "normal", "poisson", "binomial", "dropout", "dropout_", "alpha_dropout", "alpha_dropout_",
@@ -93,6 +106,14 @@ class ReplicaRandomMode(TorchFunctionMode):
         self._run_seed = run_seed
         self._replica_id = replica_id
         self._generator: torch.Generator | None = None
+
+    def __enter__(self) -> ReplicaRandomMode:
+        _entered.depth = getattr(_entered, "depth", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _entered.depth -= 1
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
