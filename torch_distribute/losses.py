@@ -131,6 +131,12 @@ def _too_small(global_batch_size: int, global_rows: int, replica: context.Replic
     )
 
 
+def _calling_site(frame: Any) -> tuple[str, int] | None:
+    """The file and line that called ``compute_average_loss`` (``frame``: its own)."""
+    caller = frame.f_back if frame is not None else None
+    return None if caller is None else (caller.f_code.co_filename, caller.f_lineno)
+
+
 class _GuessedBatchSizes:
     """The most rows a call of ``compute_average_loss`` without ``global_batch_size`` got,
     per strategy and per calling line; a call with fewer warns once for that line."""
@@ -141,16 +147,22 @@ class _GuessedBatchSizes:
         self._largest: weakref.WeakKeyDictionary[Any, dict[tuple[str, int], int]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
+    def _sites(self, replica: context.ReplicaContextLike) -> dict[tuple[str, int], int] | None:
+        """This strategy's entry per calling line (None: a strategy that cannot be weakly
+        referenced is not tracked). Called holding the lock."""
+        try:
+            return self._largest.setdefault(replica.strategy, {})
+        except TypeError:
+            return None
+
     def record(self, replica: context.ReplicaContextLike, rows: int, frame: Any) -> None:
         """``frame``: ``compute_average_loss``'s own; the line that called it is the site."""
-        caller = frame.f_back if frame is not None else None
-        if caller is None:
+        site = _calling_site(frame)
+        if site is None:
             return
-        site = (caller.f_code.co_filename, caller.f_lineno)
         with self._lock:
-            try:
-                per_site = self._largest.setdefault(replica.strategy, {})
-            except TypeError:  # a strategy that cannot be weakly referenced: not tracked
+            per_site = self._sites(replica)
+            if per_site is None:
                 return
             largest = per_site.get(site, 0)
             if largest == self._WARNED or rows >= largest:
@@ -174,19 +186,14 @@ class _GuessedBatchSizes:
             stacklevel=3,
         )
 
-
     def warn_inexact(self, replica: context.ReplicaContextLike, rows: int, global_rows: int, frame: Any) -> None:
         """The guess ``rows × replicas`` is not the step's ``global_rows``: warn once per line."""
-        caller = frame.f_back if frame is not None else None
-        if caller is None:
+        site = _calling_site(frame)
+        if site is None:
             return
-        site = (caller.f_code.co_filename, caller.f_lineno)
         with self._lock:
-            try:
-                per_site = self._largest.setdefault(replica.strategy, {})
-            except TypeError:
-                return
-            if per_site.get(site) == self._WARNED:
+            per_site = self._sites(replica)
+            if per_site is None or per_site.get(site) == self._WARNED:
                 return
             per_site[site] = self._WARNED
         replicas = replica.num_replicas_in_sync
@@ -219,8 +226,7 @@ class _ShortSteps:
         self._lock = threading.Lock()
 
     def note(self, rows: step_rows.StepRows, global_batch_size: int, frame: Any) -> None:
-        caller = frame.f_back if frame is not None else None
-        site = (caller.f_code.co_filename, caller.f_lineno) if caller is not None else ("?", 0)
+        site = _calling_site(frame) or ("?", 0)
         with self._lock:
             pending = self._pending.get(rows.iteration)
             warn = pending is not None and pending[0] < rows.step and site not in self._warned
