@@ -415,6 +415,8 @@ class Function:
             return
         if self._split_networks is None and len(networks) < 2:
             return
+        # Dynamo keeps a graph per network for a forward that several networks share (one class).
+        _settings.allow_graphs_for((len(devices) if devices else 1) * len(networks))
         key = (self._mode_for(devices), _replica_threads_on_cpu(devices))
         for module in networks:
             with self._lock:
@@ -526,11 +528,11 @@ def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, f
              split_networks: bool | None = None) -> Any:
     """``@td.function`` or ``td.function(fn, mode=..., fullgraph=..., dynamic=..., input_signature=...,
     split_networks=...)``."""
-    options = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic, "input_signature": input_signature,
-               "split_networks": split_networks}
-    if fn is None:
-        return lambda f: Function(f, **options)
-    return Function(fn, **options)
+    def wrap(target: Callable[..., Any]) -> Function:
+        return Function(target, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature,
+                        split_networks=split_networks)
+
+    return wrap if fn is None else wrap(fn)
 
 
 class ReplicaStep(NamedTuple):
