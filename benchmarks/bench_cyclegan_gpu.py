@@ -25,18 +25,22 @@ Variants (``--variants``, comma-separated; default: the first five):
 * ``one-eager``: ``td.OneDeviceStrategy("cuda:0")``, ``strategy.run(make_train_step(...))``.
 * ``one-function``: the same with the distributed step wrapped in ``td.function``
   (``dynamic=False``, as ``examples/cyclegan/train.py --compile``; ``--td-mode``, default the
-  library's choice: CUDA graphs for one GPU replica per process). td.function compiles the
-  replica step's whole forward (four networks and the losses) as one graph, so each of the
-  four ``backward(inputs=...)`` runs that graph's whole backward (on the CPU: 256 convolution
-  backward kernels a step instead of eager's 88); compare it with ``hand-compiled-step``.
+  library's choice: CUDA graphs for one GPU replica per process). The scope made four
+  networks, so td.function compiles each network's forward as a graph of its own and the
+  code between them (the losses, the optimizer steps) as the graphs around them: each of
+  the four ``backward(inputs=...)`` runs only the backward graphs of the network calls it
+  reaches, as eager does.
 * ``mirrored2``: ``td.MirroredStrategy`` with 2 replicas on the one GPU (2 logical GPUs from
   ``td.config.set_logical_device_configuration``), global batch 2, eager. Reported
   "unavailable" where this torch-distribute has no ``td.config`` logical devices.
 * extra, not in the default set: ``hand-compiled-step``: ``torch.compile`` on the loss
-  function (the forward of all four networks and the losses in one graph: what
-  ``td.function`` compiles, so the fair baseline for ``one-function``; each of the four
-  ``backward`` calls then runs that graph's whole backward); ``mirrored2-function``:
-  ``mirrored2`` under ``td.function`` (no CUDA graphs: replicas share the process).
+  function (the forward of all four networks and the losses in one graph; each of the four
+  ``backward`` calls then runs that graph's whole backward); ``one-function-whole``:
+  ``one-function`` with ``split_networks=False``, the replica step's whole forward as one
+  graph (what ``td.function`` compiled before it split at networks: the same backward work
+  as ``hand-compiled-step``, 208 convolution backward kernels a step against eager's 72 at
+  the CPU check's size); ``mirrored2-function``: ``mirrored2`` under ``td.function`` (no CUDA
+  graphs: replicas share the process).
 
 Options applying to every variant: ``--bf16`` (the forward pass and the losses under
 ``torch.autocast(dtype=torch.bfloat16)``, backward and optimizer steps outside it) and
@@ -50,9 +54,10 @@ one invocation (four times the processes: ~15 min with the defaults; to keep it 
 ``--profile``: after its timed steps, each process profiles ``PROFILE_STEPS`` more with
 ``torch.profiler`` (CPU, and CUDA on a GPU) and reports the ops that cost the most (self
 device time on a GPU, self CPU time on the CPU), the convolution backward kernels per step
-(``td.function`` compiles the four networks' forward as one graph, whose backward each of
-the four ``backward(inputs=...)`` runs whole), the host syncs per step (``item`` calls and
-CUDA synchronizations) and dynamo's graph breaks with their reasons.
+(eager's count where each ``backward(inputs=...)`` runs only the networks it reaches; more
+where a compiled graph spans several networks: ``one-function-whole``,
+``hand-compiled-step``), the host syncs per step (``item`` calls and CUDA synchronizations)
+and dynamo's graph breaks with their reasons.
 
 ``--numerics-reference``: every variant records its ``loss_G/total`` at every step (kept on
 the device, read after the timing), and one more process runs ``hand-eager`` in float32,
@@ -116,7 +121,7 @@ PROFILE_RESULT = "CYCLEGANPROFILE "
 HORSE2ZEBRA_STEPS = 1067  # trainA; the tutorial zips the two domains (batch 1)
 GOAL_EPOCH_S = 40.0
 VARIANTS = ("hand-eager", "hand-compiled", "one-eager", "one-function", "mirrored2",
-            "hand-compiled-step", "mirrored2-function")
+            "hand-compiled-step", "mirrored2-function", "one-function-whole")
 DEFAULT_VARIANTS = VARIANTS[:5]
 HOST_PAIRS = 4  # distinct random image pairs, cycled
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -243,9 +248,11 @@ def _strategy_runner(variant: str, args: argparse.Namespace, device: torch.devic
         return strategy.reduce(td.ReduceOp.SUM, per_replica["loss_G/total"], axis=None)
 
     function = None
-    if variant.endswith("-function"):
+    if "-function" in variant:
         mode = None if args.td_mode == "auto" else args.td_mode
-        function = distributed_train_step = td.function(distributed_train_step, mode=mode, dynamic=False)
+        # -whole: one graph for the replica step (what td.function compiled before it split at networks)
+        split = {"split_networks": False} if variant.endswith("-whole") else {}
+        function = distributed_train_step = td.function(distributed_train_step, mode=mode, dynamic=False, **split)
 
     def step(batch: tuple[Any, Any]) -> torch.Tensor:
         return distributed_train_step(*batch)

@@ -40,6 +40,9 @@ Variants (``--variants``, comma-separated):
   choice of mode: CUDA graphs for one GPU replica per process). With ``hand-compiled`` it
   answers whether ``td.function`` is at least as fast as compiling by hand; both report their
   warm-up seconds (the first ``--warmup`` steps, compilation included).
+* ``one-function-split``: ``one-function`` with ``split_networks=True``: the model's forward a
+  graph of its own, the loss and Adam's update the graphs after it (the default keeps a scope
+  with one network in one graph per step): whether splitting pays for a single network too.
 * ``ddp2``: its fair baseline, ``DistributedDataParallel`` with 2 processes sharing the card
   (started by torchrun), each on half the global batch. NCCL refuses two ranks on one GPU, so
   the ranks use Gloo (gradients cross through the host). Rank 0's time is reported.
@@ -77,7 +80,8 @@ HERE = os.path.abspath(__file__)
 RESULT = "GPUBENCH "
 PRECISIONS = ("float32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-VARIANTS = ("hand", "one", "central", "mwms", "ddp", "mirrored2", "ddp2", "hand-compiled", "one-function")
+VARIANTS = ("hand", "one", "central", "mwms", "ddp", "mirrored2", "ddp2", "hand-compiled", "one-function",
+            "one-function-split")
 DEFAULT_VARIANTS = ("hand", "one", "central", "mwms", "ddp")
 
 
@@ -163,7 +167,7 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
     else:
         import torch_distribute as td
 
-        if variant in ("one", "one-function"):
+        if variant in ("one", "one-function", "one-function-split"):
             strategy = td.OneDeviceStrategy(device_name)
         elif variant == "central":
             # On the CPU (a check of this script), compute on a second logical CPU device.
@@ -186,6 +190,8 @@ def run_variant(variant: str, steps: int, warmup: int, precision: str, device_na
 
         if variant == "one-function":
             runner = td.function(runner)
+        elif variant == "one-function-split":
+            runner = td.function(runner, split_networks=True)
 
         data = strategy.experimental_distribute_dataset(batches)
     # Every variant moves its host batches to the device inside the timed loop.

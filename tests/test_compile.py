@@ -334,3 +334,132 @@ def test_td_function_input_signature_marks_none_dimensions_dynamic():
         predict(torch.randn(3, 5))
     with pytest.raises(td.InvalidArgumentError, match="input_signature must be a list of td.TensorSpec"):
         td.function(lambda x: x, input_signature=[(None, 4)])
+
+
+def build_gan():
+    """A tiny DCGAN: 4 latent channels to a 1x8x8 image and back to one logit; SGD each."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.ConvTranspose2d(4, 2, 4, 1, 0), nn.BatchNorm2d(2), nn.ReLU(),
+                              nn.ConvTranspose2d(2, 1, 4, 2, 1), nn.Tanh())
+    discriminator = nn.Sequential(nn.Conv2d(1, 2, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(2, 1, 4, 1, 0), nn.Flatten())
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in (generator, discriminator)]
+    return generator, discriminator, optimizers
+
+
+def train_gan(strategy, compiled: bool, steps: int = 3):
+    """The DCGAN tutorial's step: the discriminator on real and ``fake.detach()``, its backward
+    and step, then the generator's loss through the updated discriminator, its backward and
+    step. One graph for the whole forward could not run it: the discriminator's backward frees
+    what the generator's needs. Returns both networks' state, the losses, the function and the
+    convolution backward kernels of the last step."""
+    with strategy.scope():
+        generator, discriminator, (optimizer_g, optimizer_d) = build_gan()
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    def average(per_sample):
+        return td.compute_average_loss(per_sample.squeeze(1), global_batch_size=GLOBAL_BATCH)
+
+    def replica_step(real, noise):
+        fake = generator(noise)
+        d_real, d_fake = discriminator(real), discriminator(fake.detach())
+        loss_d = average(bce(d_real, torch.ones_like(d_real), reduction="none")
+                         + bce(d_fake, torch.zeros_like(d_fake), reduction="none"))
+        loss_d.backward()
+        optimizer_d.step()
+        optimizer_d.zero_grad()
+        d_fake = discriminator(fake)
+        loss_g = average(bce(d_fake, torch.ones_like(d_fake), reduction="none"))
+        loss_g.backward()
+        optimizer_g.step()
+        optimizer_g.zero_grad()
+        return loss_g.detach()
+
+    def distributed_step(real, noise):
+        return strategy.reduce("sum", strategy.run(replica_step, args=(real, noise)), axis=None)
+
+    if compiled:
+        distributed_step = td.function(distributed_step)
+    rng = torch.Generator().manual_seed(1)
+    batches = [(torch.rand(GLOBAL_BATCH, 1, 8, 8, generator=rng), torch.randn(GLOBAL_BATCH, 4, 1, 1, generator=rng))
+               for _ in range(steps)]
+    losses = []
+    for k, (real, noise) in enumerate(strategy.experimental_distribute_dataset(batches)):
+        with torch.profiler.profile() as profiled:
+            losses.append(float(distributed_step(real, noise)))
+        if k < steps - 1:
+            continue
+        conv_backward = sum(event.name == "aten::convolution_backward" for event in profiled.events())
+    return torch.cat([state(generator), state(discriminator)]), losses, distributed_step, conv_backward
+
+
+def test_a_gan_step_compiles_each_network_apart_and_does_eager_backward_work():
+    """The scope made two networks, so td.function compiles each network's forward as a graph
+    of its own (the losses and optimizer steps as the graphs between): each network call has
+    its own backward, and each backward runs those of the calls it reaches, as in eager, no
+    more. (Several replicas: tests/test_cyclegan.py's compiled run, four networks.)"""
+    strategy = STRATEGIES["one"]
+    want, want_losses, _, want_kernels = train_gan(strategy(), compiled=False)
+    got, losses, function, kernels = train_gan(strategy(), compiled=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    # The discriminator on real, on fake.detach() and on fake (2 each), the generator (2).
+    assert kernels == want_kernels == 8
+    assert function.experimental_get_tracing_count() >= 2  # at least the two networks' forwards
+
+
+def test_networks_compiled_apart_keep_their_forward_outside_the_compiled_step():
+    """While a td.function call lasts, each network's forward is the one that runs it compiled
+    from the replica step; elsewhere (the distributed step's own code) it runs eagerly, and
+    after the call (also one that raises) the module has its own forward again, a forward
+    set on the instance included."""
+    strategy = STRATEGIES["one"]()
+    with strategy.scope():
+        first, second = nn.Linear(2, 2), nn.Linear(2, 1)
+    own_forward = second.forward = lambda x: nn.Linear.forward(second, x) * 2
+    seen = []
+
+    def replica_step(x):
+        return second(first(x)).sum()
+
+    @td.function
+    def step(x, fail=False):
+        total = strategy.run(replica_step, args=(x,))
+        outside = first(x)
+        seen.append((type(outside.grad_fn).__name__, "forward" in vars(first)))
+        if fail:
+            raise Boom("after run")
+        return total
+
+    x = torch.randn(3, 2)
+    want = float(second(first(x)).sum().detach())
+    assert float(step(x)) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(Boom):
+        step(x, fail=True)
+    assert seen == [("AddmmBackward0", True)] * 2
+    assert "forward" not in vars(first) and vars(second)["forward"] is own_forward
+    assert step.experimental_get_tracing_count() >= 2
+
+
+def test_split_networks_option():
+    """``split_networks=True``: a graph per network even for one (a single model's forward
+    apart from its loss, as ``torch.compile(model)`` by hand); ``False``: the replica step as
+    one graph (a GAN step that calls backward on parts of it does its whole backward each
+    time, or fails); not with ``fullgraph=True``."""
+    strategy = STRATEGIES["one"]()
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+
+    def replica_step(x):
+        return (model(x) ** 2).sum()
+
+    counts = {}
+    for split in (True, False):
+        torch._dynamo.reset()
+        step = td.function(lambda x: strategy.run(replica_step, args=(x,)), split_networks=split)
+        assert float(step(torch.ones(1, 2))) == pytest.approx(float(replica_step(torch.ones(1, 2))))
+        counts[split] = step.experimental_get_tracing_count()
+    assert counts == {True: 2, False: 1}  # the model's forward, then the loss / both in one
+    with pytest.raises(td.InvalidArgumentError, match="split_networks must be True, False or None"):
+        td.function(lambda x: x, split_networks="yes")
+    with pytest.raises(td.InvalidArgumentError, match="fullgraph=True asks for one graph .* pass one of them"):
+        td.function(lambda x: x, fullgraph=True, split_networks=True)

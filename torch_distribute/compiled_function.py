@@ -18,6 +18,21 @@ it: dynamo moves the entry it finds to the front). A step fed more than 16 kinds
 (shapes that vary) runs its replicas together: by then dynamo has made its graph dynamic.
 Replicas on different devices get a graph each.
 
+Where the step's strategy made several networks in its scope (a GAN's generators and
+discriminators: ``strategies/networks.py``), each network's forward is compiled as a graph of
+its own, and the replica step's graph breaks around each network call (the losses and the
+optimizer steps are the graphs between). One graph for the whole forward would give torch's
+autograd one backward node for every network: each ``backward(inputs=...)`` of a GAN step
+would run all of it (the CycleGAN step: 208 convolution backward kernels a step against
+eager's 72 at a small size), and a backward that frees it (the DCGAN step's discriminator
+loss) would leave nothing for the generator's. So each network call gets its backward node,
+and a backward runs those it reaches, as in eager. While a call lasts, each network's
+``forward`` is an instance attribute that runs the network's compiled graph when called from
+this function's compiled replica step, and the module's own forward elsewhere (the code of
+the decorated function itself, another thread); the call gives the module its forward back
+when it returns. ``split_networks=False`` keeps one graph per replica step, ``True`` splits
+at a single network too (its forward apart from the loss, as ``torch.compile(model)``).
+
 On CUDA, ``mode=None`` picks CUDA graphs (``"reduce-overhead"``) where each process drives
 one GPU replica (``OneDeviceStrategy``, one GPU per worker under torchrun), and plain
 compiled kernels with one warning saying why where replicas share the process (CUDA graphs
@@ -65,7 +80,7 @@ import torch
 
 from torch_distribute import config, nest
 from torch_distribute.compile_once import compile_with_inductor
-from torch_distribute.eager import watch_for_compiler
+from torch_distribute.eager import never_compiled, watch_for_compiler
 from torch_distribute.errors import InputSignatureError, InvalidArgumentError
 from torch_distribute.input.element_spec import TensorSpec
 from torch_distribute.values import DistributedValues
@@ -77,11 +92,13 @@ _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class _Call:
-    """One call of a ``Function`` in progress on this thread, and how often it called ``run``."""
+    """One call of a ``Function`` in progress on this thread, how often it called ``run``, and
+    the networks whose forward is a graph of its own until it returns."""
 
     def __init__(self, function: Function):
         self.function = function
         self.runs = 0
+        self.networks = _NetworkForwards()
 
 
 class _Active(threading.local):
@@ -119,6 +136,33 @@ _cudagraph_skips = _CudagraphSkips()
 _GRAPHS_PER_REPLICA = 8
 # Kinds of input for which a compiled replica step's replicas take turns (see the docstring).
 _KINDS_WITH_TURNS = 16
+
+
+class _NetworkForwards:
+    """The networks whose ``forward`` this call replaced with ``network_forward``'s, and
+    what each had in its instance dict before (``_MISSING``: nothing, the class's)."""
+
+    def __init__(self) -> None:
+        self._replaced: list[tuple[torch.nn.Module, Any]] = []
+
+    def replace(self, module: torch.nn.Module, forward: Callable[..., Any]) -> None:
+        if any(known is module for known, _ in self._replaced):
+            return
+        self._replaced.append((module, module.__dict__.get("forward", _MISSING)))
+        module.__dict__["forward"] = forward  # not Module.__setattr__: a plain instance attribute
+
+    def restore(self) -> None:
+        while self._replaced:
+            module, before = self._replaced.pop()
+            if before is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = before
+
+
+_MISSING = object()
+# Set on a forward made by ``_network_forward``: the forward it stands in for.
+_STANDS_FOR = "_td_function_stands_for"
 
 
 class _InputKinds:
@@ -194,22 +238,30 @@ class Function:
     TensorFlow's, a list of ``td.TensorSpec`` (or nests of them), one per positional argument:
     every call is checked against it (``InvalidArgumentError`` for a tensor that does not
     match), and each ``None`` dimension is marked dynamic before the first compile, so other
-    sizes there (a ragged last batch) compile no new graph.
+    sizes there (a ragged last batch) compile no new graph. ``split_networks``: ``None``
+    compiles each network of a strategy's scope as a graph of its own where the scope made
+    several, ``True`` also where it made one, ``False`` never (see the module docstring).
     ``experimental_get_tracing_count()`` is the number of graphs compiled so far, every
-    replica's included (TensorFlow counts traces; a graph break makes two graphs).
+    replica's and every network's included (TensorFlow counts traces; a graph break makes
+    two graphs, and a step split at its networks has one per network and more between them).
     """
 
     __name__: str  # with the rest of ``fn``'s metadata, from functools.update_wrapper
 
     def __init__(self, fn: Callable[..., Any], mode: str | None = None, fullgraph: bool = False,
-                 dynamic: bool | None = None, input_signature: Sequence[Any] | None = None):
+                 dynamic: bool | None = None, input_signature: Sequence[Any] | None = None,
+                 split_networks: bool | None = None):
         if not callable(fn):
             raise InvalidArgumentError(f"td.function decorates a callable, got {type(fn).__name__}.")
         if mode not in _MODES:
             raise InvalidArgumentError(f"td.function mode must be one of {list(_MODES)}, got {mode!r}.")
-        for name, value in (("fullgraph", fullgraph), ("dynamic", dynamic)):
+        for name, value in (("fullgraph", fullgraph), ("dynamic", dynamic), ("split_networks", split_networks)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidArgumentError(f"td.function {name} must be True, False or None, got {value!r}.")
+        if fullgraph and split_networks:
+            raise InvalidArgumentError(
+                "td.function: fullgraph=True asks for one graph per replica step, split_networks=True for "
+                "a graph per network: pass one of them.")
         if input_signature is not None:
             specs = nest.leaves(list(input_signature)) if isinstance(input_signature, (list, tuple)) else None
             if not specs or not all(isinstance(spec, TensorSpec) for spec in specs):
@@ -222,6 +274,7 @@ class Function:
         self._mode = mode
         self._fullgraph = bool(fullgraph)
         self._dynamic = dynamic
+        self._split_networks = split_networks
         self._inductors: dict[tuple[str | None, bool], Any] = {}
         self._graphs: list[None] = []  # one entry per graph compiled (appending is atomic)
         self._lock = threading.RLock()
@@ -230,6 +283,8 @@ class Function:
             weakref.WeakKeyDictionary()
         )
         self._input_kinds: weakref.WeakKeyDictionary[Any, _InputKinds] = weakref.WeakKeyDictionary()
+        self._network_forwards: weakref.WeakKeyDictionary[
+            torch.nn.Module, dict[tuple[str | None, bool], Callable[..., Any]]] = weakref.WeakKeyDictionary()
         self._warned: set[str] = set()
 
     def _check_signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -272,6 +327,7 @@ class Function:
             result = self._fn(*args, **kwargs)
         finally:
             _active.calls.pop()
+            call.networks.restore()
         if self._calls_run is None:
             self._calls_run = call.runs > 0
         return result
@@ -350,6 +406,60 @@ class Function:
                 watch_for_compiler()  # dynamo is loaded now: our eager wrappers stay eager
         return attributed if owner is None else functools.partial(attributed, owner)
 
+    def compile_networks_apart(self, call: _Call, networks: Sequence[torch.nn.Module],
+                               devices: tuple[torch.device, ...] | None) -> None:
+        """For the rest of ``call``: where the step's strategy made several ``networks``, each
+        network's forward runs as a graph of its own, compiled as this function says, inside
+        the compiled replica step (which breaks its graph around each network call). Each
+        network call then gets its own backward node, and a ``backward`` that reaches only some
+        networks runs only their backward graphs, as in eager. Not with ``fullgraph=True``."""
+        if self._fullgraph or self._split_networks is False or not networks:
+            return
+        if self._split_networks is None and len(networks) < 2:
+            return
+        # Dynamo keeps a graph per network for a forward that several networks share (one class).
+        _settings.allow_graphs_for((len(devices) if devices else 1) * len(networks))
+        key = (self._mode_for(devices), _replica_threads_on_cpu(devices))
+        for module in networks:
+            with self._lock:
+                by_key = self._network_forwards.setdefault(module, {})
+                forward = by_key.get(key)
+                if forward is None:
+                    forward = by_key[key] = self._network_forward(module, devices)
+            call.networks.replace(module, forward)
+
+    def _network_forward(self, module: torch.nn.Module, devices: tuple[torch.device, ...] | None) -> Callable[..., Any]:
+        """What ``module.forward`` is while networks are compiled apart: outside graphs (dynamo
+        breaks the caller's graph before it), the module's forward compiled on its own when
+        called from this function's compiled replica step, else the module's forward itself."""
+        own = module.__dict__.get("forward", _MISSING)
+        own = getattr(own, _STANDS_FOR, own)
+        function = self
+        module_ref = weakref.ref(module)
+        if own is _MISSING:  # the class's forward: compiled once for every instance of the class
+            eager = type(module).forward
+            compiled = self.compiled(eager, devices)
+
+            def call_with_module(*args: Any, **kwargs: Any) -> Any:
+                owner = module_ref()
+                if _compiling.function is function:
+                    return compiled(owner, *args, **kwargs)
+                return eager(owner, *args, **kwargs)
+
+            body = call_with_module
+        else:
+            eager_own, compiled_own = own, self.compiled(own, devices)
+
+            def call_own(*args: Any, **kwargs: Any) -> Any:
+                if _compiling.function is function:
+                    return compiled_own(*args, **kwargs)
+                return eager_own(*args, **kwargs)
+
+            body = call_own
+        forward = never_compiled(body)
+        setattr(forward, _STANDS_FOR, own)
+        return forward
+
     def replicas_take_turns(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether replicas that share a device should take turns in this run of the compiled
         replica step ``fn`` (see the module docstring), and records its kind of input."""
@@ -384,7 +494,7 @@ class Function:
         return self._dynamic
 
     def experimental_get_tracing_count(self) -> int:
-        """The number of graphs compiled so far."""
+        """The number of graphs compiled so far (the networks' own graphs included)."""
         return len(self._graphs)
 
 
@@ -416,11 +526,15 @@ def _replica_threads_on_cpu(devices: tuple[torch.device, ...] | None) -> bool:
 
 
 def function(fn: Callable[..., Any] | None = None, *, mode: str | None = None, fullgraph: bool = False,
-             dynamic: bool | None = None, input_signature: Sequence[Any] | None = None) -> Any:
-    """``@td.function`` or ``td.function(fn, mode=..., fullgraph=..., dynamic=..., input_signature=...)``."""
-    if fn is None:
-        return lambda f: Function(f, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
-    return Function(fn, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature)
+             dynamic: bool | None = None, input_signature: Sequence[Any] | None = None,
+             split_networks: bool | None = None) -> Any:
+    """``@td.function`` or ``td.function(fn, mode=..., fullgraph=..., dynamic=..., input_signature=...,
+    split_networks=...)``."""
+    def wrap(target: Callable[..., Any]) -> Function:
+        return Function(target, mode=mode, fullgraph=fullgraph, dynamic=dynamic, input_signature=input_signature,
+                        split_networks=split_networks)
+
+    return wrap if fn is None else wrap(fn)
 
 
 class ReplicaStep(NamedTuple):
@@ -432,9 +546,11 @@ class ReplicaStep(NamedTuple):
 
 
 def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | None = None,
-                 args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> ReplicaStep:
+                 args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                 networks: Callable[[], Sequence[torch.nn.Module]] | None = None) -> ReplicaStep:
     """What ``strategy.run(fn, args, kwargs)`` should run on replicas on ``devices`` (this
     process's): ``fn`` compiled inside a ``td.function`` call, else ``fn`` itself.
+    ``networks``: the networks the strategy made (``Function.compile_networks_apart``).
 
     >>> for_replicas(print).compiled  # outside td.function
     False
@@ -445,4 +561,6 @@ def for_replicas(fn: Callable[..., Any], devices: tuple[torch.device, ...] | Non
     call.runs += 1
     _settings.allow_graphs_for(len(devices) if devices else 1)
     compiled = call.function.compiled(fn, devices)
+    if networks is not None:
+        call.function.compile_networks_apart(call, networks(), devices)
     return ReplicaStep(compiled, compiled=True, take_turns=call.function.replicas_take_turns(fn, args, kwargs or {}))

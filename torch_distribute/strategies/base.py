@@ -66,7 +66,7 @@ from torch_distribute.input import (
 )
 from torch_distribute.reduce_op import ReduceOp
 from torch_distribute.replica_context import ReplicaContext
-from torch_distribute.strategies import interception, loss_scaling, torch_patches
+from torch_distribute.strategies import interception, loss_scaling, networks, torch_patches
 from torch_distribute.strategies.extended import StrategyExtended
 from torch_distribute.values import (
     DistributedValues,
@@ -218,7 +218,8 @@ class Strategy:
                 "strategy.run() was called inside a replica function; call the inner function "
                 "directly (it already runs once per replica)."
             )
-        step = compiled_function.for_replicas(fn, self._extended.replica_devices, tuple(args), kwargs)
+        step = compiled_function.for_replicas(fn, self._extended.replica_devices, tuple(args), kwargs,
+                                              networks=networks.of(self).networks)
         replica_fn = step.fn
         if step.compiled:
             self._extended.compiling_replica_steps(take_turns=step.take_turns)

@@ -7,7 +7,9 @@ what it changes and why, installs it when the first strategy is made and undoes 
 - Parameters and buffers: torch's global module registration hooks
   (``register_module_parameter_registration_hook`` / ``..._buffer_...``) hand each one to
   ``extended.capture_parameter`` of the strategy whose scope we are in; submodules
-  (``register_module_module_registration_hook``) to ``extended.capture_submodule``.
+  (``register_module_module_registration_hook``) to ``extended.capture_submodule``. Both
+  are also recorded in ``networks.py`` (the scope's top-level modules: where ``td.function``
+  splits a step's graph).
 - Optimizers and LR schedulers: torch has no hook that fires when one is constructed, so
   ``Optimizer.__init__`` and ``LRScheduler.__init__`` get a thin wrapper. Outside every
   scope it returns at once; inside, it tells the strategy (``capture_optimizer`` /
@@ -73,7 +75,7 @@ from torch.optim import optimizer as optimizer_module
 from torch_distribute import context
 from torch_distribute.eager import never_compiled
 from torch_distribute.errors import InvalidArgumentError, UnmirroredStateError
-from torch_distribute.strategies import loss_scaling, nonfinite
+from torch_distribute.strategies import loss_scaling, networks, nonfinite
 
 if TYPE_CHECKING:
     from torch_distribute.strategies.extended import StrategyExtended
@@ -188,6 +190,7 @@ def _on_parameter(module: torch.nn.Module, name: str, param: Any) -> Any:
     strategy = scope_strategy()
     if strategy is None or param is None:
         return None
+    networks.of(strategy).parameter_registered(module)
     return strategy.extended.capture_parameter(module, name, param, is_buffer=False)
 
 
@@ -202,6 +205,7 @@ def _on_submodule(module: torch.nn.Module, name: str, submodule: Any) -> Any:
     strategy = scope_strategy()
     if strategy is not None and submodule is not None:
         _refuse_data_parallel_wrapper(module, strategy)
+        networks.of(strategy).submodule_registered(module, submodule)
         strategy.extended.capture_submodule(module, name, submodule)
         for listener in list(_listeners):
             listener.submodule_captured(strategy, module, name, submodule)

@@ -131,11 +131,13 @@ PROCESS_SETTINGS: tuple[Change, ...] = (
            "when the last td.function that compiled is garbage-collected (dynamo's cache may hold its "
            "backend as long as the compiled code lives)", "torch_distribute.compiled_function",
            "torch._inductor.cudagraph_utils.cudagraphs_log"),
-    Change("torch._dynamo.config.recompile_limit", "raised to 8 graphs per replica: each replica's "
-           "step compiles a graph of its own",
+    Change("torch._dynamo.config.recompile_limit", "raised to 8 graphs per replica (and per network, "
+           "where td.function compiles a scope's networks apart): each replica's step, and each network "
+           "of a class whose forward several networks share, compiles a graph of its own",
            "torch.compile takes no per-call limit, and torch._dynamo.config.patch sets the process-wide "
            "value while it lasts, which replica threads compiling at once would undo under each other",
-           "when td.function first runs strategy.run with more replicas than the limit allows",
+           "when td.function first runs strategy.run with more replicas (times networks) than the "
+           "limit allows",
            "put back when the last td.function that compiled is garbage-collected, if nobody changed it "
            "since", "torch_distribute.compiled_function", "torch._dynamo.config.recompile_limit"),
     Change("atexit: collectives.store_threads._end_before_teardown", "registered once: at exit, wakes "
