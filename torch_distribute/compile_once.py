@@ -149,9 +149,10 @@ def compile_with_inductor(inductor: Any, graph: torch.fx.GraphModule, example_in
 
     patches = dict(inductor.config)
     inner = functools.partial(_compile_inner_once, options=repr(sorted(patches.items())))
-    # What the wrapper's __call__ does, with inductor's inner compile wrapped.
-    return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches,
-                      compile_region_name=inductor.name)
+    # What the wrapper's __call__ does, with inductor's inner compile wrapped. torch 2.11's
+    # wrapper has no region name (and its compile_fx takes none).
+    region = {"compile_region_name": inductor.name} if hasattr(inductor, "name") else {}
+    return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches, **region)
 
 
 def _compile_inner_once(graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, options: str,
