@@ -579,3 +579,29 @@ def test_a_per_replica_dataset_placed_on_the_gpu_is_made_there():
                                              options=options)
     batch = next(iter(dist))  # one replica: the tensor itself, not a PerReplica
     assert batch.is_cuda
+
+
+def test_fully_sharded_on_a_gpu_builds_what_one_device_builds():
+    """A model made in ``FullyShardedStrategy``'s scope on a GPU worker draws its initial
+    values from that GPU's generator, as in ``OneDeviceStrategy``'s scope (and as
+    ``torch.device("cuda")`` does): the same seed gives the same weights, bit for bit."""
+    import torch.distributed as dist
+
+    from torch_distribute.cluster import SimpleClusterResolver
+
+    torch.manual_seed(0)
+    with td.OneDeviceStrategy("cuda:0").scope():
+        one_device = make_cnn()
+    strategy = td.FullyShardedStrategy(device="cuda:0", cluster_resolver=SimpleClusterResolver({}))
+    try:
+        torch.manual_seed(0)
+        with strategy.scope():
+            sharded = make_cnn()
+            torch.optim.SGD(sharded.parameters(), lr=0.1)  # the optimizer's creation shards the model
+        for (name, want), got in zip(one_device.state_dict().items(), sharded.state_dict().values(), strict=True):
+            whole = got.full_tensor() if hasattr(got, "full_tensor") else got
+            assert whole.device.type == "cuda", name
+            assert torch.equal(whole, want), name
+    finally:
+        strategy.extended.worker_group.close()
+    assert not dist.is_initialized()

@@ -363,13 +363,19 @@ def _shape_proxy(value: Any) -> Any:
     return value
 
 
-def defer(tensor: torch.Tensor, requires_grad: bool | None = None) -> DeferredTensor:
+def defer(tensor: torch.Tensor, requires_grad: bool | None = None,
+          device: torch.device | None = None) -> DeferredTensor:
     """``tensor`` as a ``DeferredTensor``: its current values (if it was registered with
     some) are kept until its first complete overwrite, every later write is recorded.
 
-    A tensor on the meta device has no values: ``has_values`` is False for it.
+    ``device``: where it lives from now on (its values moved there), so that the writes
+    recorded later draw from that device's generator, as they would on a tensor moved there
+    when it was registered (what the mirrored strategies do). A tensor on the meta device has
+    no values: ``has_values`` is False for it, and it stays on the meta device.
     """
     data = tensor.detach()
+    if device is not None and not data.is_meta and data.device != device:
+        data = data.to(device)
     storage = _Storage(
         size=tuple(data.shape), stride=tuple(data.stride()), dtype=data.dtype,
         device=data.device if not data.is_meta else torch.device("meta"),

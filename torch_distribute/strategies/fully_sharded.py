@@ -241,8 +241,11 @@ class FullyShardedExtended(AcrossWorkers, StrategyExtended):
         if is_deferred(tensor) or nn.parameter.is_lazy(tensor):
             self._add_tensor(tensor)
             return None
-        # Its values are recorded, not made: computed one tensor at a time when sharded.
-        deferred = defer(tensor)
+        # Its values are recorded, not made: computed one tensor at a time when sharded. On
+        # this worker's device, as the mirrored strategies move a tensor when it is registered:
+        # the constructor's random draws then come from that device's generator, so a GPU
+        # worker builds what OneDeviceStrategy on its GPU builds for the same seed.
+        deferred = defer(tensor, device=self.primary_device)
         replacement = nn.Parameter(deferred, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else deferred
         self._add_tensor(replacement)
         return replacement
