@@ -76,7 +76,7 @@ test-matrix:
 	  test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
 	  $$venv/bin/python -m pip install -q --upgrade pip uv; \
 	  $$venv/bin/python -m pip install -q "torch==$$version"; \
-	  $$venv/bin/uv pip install --python $$venv/bin/python --quiet --compile-bytecode -e ".[test]" "torch==$$version"; \
+	  $$venv/bin/uv pip install --python $$venv/bin/python --quiet --compile-bytecode -e ".[test,examples,ft]" "torch==$$version"; \
 	  echo "== torch $$version: in-process pass (one process)"; \
 	  $$venv/bin/python -m pytest -q -p no:cacheprovider -m "not serial" -n 0; \
 	  echo "== torch $$version: process pass"; \

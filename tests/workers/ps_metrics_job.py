@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -74,6 +75,18 @@ def reference(steps: int) -> tuple[float, float]:
     return float(accuracy.result()), float(mean.result())
 
 
+def wait_until_every_worker_runs(coordinator, timeout_s: float = 60.0) -> None:
+    """Schedule short functions until every worker has run one: a worker whose interpreter
+    started later than the other's (a loaded machine) would otherwise find the queue empty."""
+    deadline = time.monotonic() + timeout_s
+    while not all(coordinator.worker_stats.values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every worker ran a function in {timeout_s:g} s: {coordinator.worker_stats}")
+        for _ in range(len(coordinator.worker_stats)):
+            coordinator.schedule(time.sleep, args=(0.05,))
+        coordinator.join()
+
+
 def scenario_metrics(strategy, coordinator, directory):
     with strategy.scope():
         torch.manual_seed(0)
@@ -86,10 +99,12 @@ def scenario_metrics(strategy, coordinator, directory):
         eval_accuracy = td.metrics.Accuracy()
     out = {}
     args = (strategy, model, optimizer, train_accuracy, top2, accuracy, mean)
+    wait_until_every_worker_runs(coordinator)
+    before = coordinator.worker_stats
     for step in range(STEPS):
         coordinator.schedule(train_step, args=(*args, step))
     coordinator.join()
-    out["workers_used"] = sorted(k for k, v in coordinator.worker_stats.items() if v > 0)
+    out["workers_used"] = sorted(k for k, v in coordinator.worker_stats.items() if v > before[k])
     out["train_accuracy"] = float(train_accuracy.result())
     out["top2"], out["top2_count"] = float(top2.result()), float(top2.state_dict()["count"])
     out["accuracy"], out["mean"] = float(accuracy.result()), float(mean.result())
