@@ -47,11 +47,12 @@ or groups (to spread them over several machine leases: each call writes its own 
 ``--suffix`` keeps them apart). A lease starts in about 30 s to 2 minutes. Where a session
 has 15 minutes of device time in calls of at most 10, the issue-45 checks go in two calls::
 
-    make gpu-report ARGS="--only cyclegan-compiled,cyclegan-best --budget 540 --suffix a"
-    make gpu-report ARGS="--only fully-sharded-profile,resnet-compiled,cyclegan-best-batch8 --budget 300 --suffix b"
+    make gpu-report ARGS="--only cyclegan-compiled,cyclegan-best,fully-sharded-profile --budget 560 --suffix a"
+    make gpu-report ARGS="--only resnet-compiled --budget 230 --suffix b"
 
-(``cyclegan-best-batch8`` fits the second only if the machine is still warm and the first
-left time over: it is skipped otherwise, and says so.) The steps of a call share the
+(as run on 2026-11-27: 536 s and 199 s, with about 30 s of machine start before the first;
+the second call must follow at once, within the machine's 30 s of idle, or it starts a new
+one. ``cyclegan-best-batch8`` needs a lease of its own.) The steps of a call share the
 machine's inductor cache, so ``cyclegan-best``'s numerics run reuses its own compiled step.
 Without a GPU, or with ``--dry-run``, it prints the plan (each step's estimate and limit, and
 which would be skipped under the budget) and exits 0.
@@ -110,23 +111,24 @@ STEPS = (
          "CycleGAN 256x256 batch 8 per replica", 250),
     # Issue 45. Estimates from the 2026-11-26 H100 runs: a CycleGAN process ~10 s to start, the
     # hand-compiled networks' warm-up 39 s, td.function's 149 s (fp32) / 138 s (bf16), eager
-    # fp32 107 ms/step; the profile adds ~10 s per process. td.function now compiles each network
-    # as a graph of its own: its warm-up reckoned at 1.5x the hand-compiled networks' (1.44x on
-    # the CPU, benchmarks/results.md (n)), not yet measured on a GPU.
+    # fp32 107 ms/step; the profile adds ~10 s per process. Measured 2026-11-27 with a graph per
+    # network (H100, cold caches): cyclegan-compiled 194 s, cyclegan-best 248 s,
+    # fully-sharded-profile 73 s; resnet-compiled 178 s (H200). The next lease: these four in two
+    # calls of 540 and 200 s (plus ~1 min start each) leave nothing for cyclegan-best-batch8.
     Step("cyclegan-compiled", 420, ("benchmarks/bench_cyclegan_gpu.py", "--rounds", "1", "--profile",
                                     "--variants", "hand-compiled,one-function"),
          "CycleGAN 256x256 batch 1, fp32: td.function (a graph per network) vs hand-compiled networks, "
-         "warm-up, graph breaks, profile", 180),
+         "warm-up, graph breaks, profile", 200),
     Step("cyclegan-best", 480, ("benchmarks/bench_cyclegan_gpu.py", "--rounds", "1", "--bf16", "--channels-last",
                                 "--fused-adam", "--warmup", "10", "--steps", "190", "--numerics-reference",
                                 "--variants", "hand-compiled,one-function"),
          "CycleGAN 256x256 batch 1, best settings (bf16, channels-last, fused Adam, CUDA graphs): epoch "
          "seconds, td.function vs hand-compiled, numerics over 200 steps vs fp32 eager", 260),
     Step("fully-sharded-profile", 240, ("benchmarks/bench_fully_sharded_gpu.py", "--rounds", "2", "--profile"),
-         "FullyShardedStrategy vs hand-written FSDP2, one NCCL worker, with a profile of each", 100),
+         "FullyShardedStrategy vs hand-written FSDP2, one NCCL worker, with a profile of each", 80),
     Step("resnet-compiled", 360, ("benchmarks/bench_gpu.py", "--precision", "float32,bf16", "--rounds", "1",
                                   "--steps", "40", "--variants", "hand,hand-compiled,one,one-function"),
-         "bench_gpu's ResNet: td.function vs torch.compile by hand, fp32 and bf16, warm-up", 150),
+         "bench_gpu's ResNet: td.function vs torch.compile by hand, fp32 and bf16, warm-up", 180),
     Step("cyclegan-best-batch8", 420, ("benchmarks/bench_cyclegan_gpu.py", "--rounds", "1", "--bf16",
                                        "--channels-last", "--fused-adam", "--batch-size", "8",
                                        "--variants", "hand-compiled,one-function"),
