@@ -13,7 +13,8 @@ agree, the progress bar and the files are the chief's, and the chief's ``model.k
 in plain Keras. The tutorial's model has no input shape (its weights are built at ``fit``'s
 first batch, in the scope). The same job also checks that each worker draws its own dropout
 masks, that a Keras metric updated inside ``strategy.run`` reads every worker's rows, and that
-losses layers add (a sum and a mean over the rows) give one device's training.
+losses layers add (a sum and a mean over the rows) and a kernel regularizer's penalty give
+one device's training.
 
 This file is also the worker script (``worker()``).
 """
@@ -75,8 +76,9 @@ def worker() -> None:
 
 
 def fit_with_added_losses(keras, strategy) -> dict:
-    """A model whose layers add a sum and a mean over the batch (``add_loss``), fitted on
-    batches of 9 rows (5 and 4 per worker); ``strategy=None``: one device."""
+    """A model whose layers add a sum and a mean over the batch (``add_loss``) and whose first
+    layer has a kernel regularizer, fitted on batches of 9 rows (5 and 4 per worker);
+    ``strategy=None``: one device."""
     import contextlib
 
     import numpy as np
@@ -93,8 +95,10 @@ def fit_with_added_losses(keras, strategy) -> dict:
     data = np.random.default_rng(0).random((18, 4), dtype=np.float32)
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), AddsLoss("sum"), AddsLoss("mean"),
-                                  keras.layers.Dense(1)])
+        # A kernel regularizer too: its penalty is computed on the weights, the same on every
+        # worker (it counted once per worker before).
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.5)),
+                                  AddsLoss("sum"), AddsLoss("mean"), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     history = model.fit(data, data[:, :1], batch_size=9, epochs=2, shuffle=False, verbose=0)
     return {"loss": history.history["loss"], "weights": [w.tolist() for w in model.get_weights()]}

@@ -398,7 +398,8 @@ def test_a_refused_layout_leaves_the_model_as_it_was():
 # -- 8. sharded initialization: the values one device builds ---------------------------------------------
 class _Custom(nn.Module):
     """Initialization as libraries write it: nn.init on views and .data, values given
-    directly, a buffer, a rejection sampler (trunc_normal_ reads its values)."""
+    directly, a buffer, a rejection sampler (trunc_normal_ reads its values), a source tensor
+    changed after it was added in."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -412,6 +413,9 @@ class _Custom(nn.Module):
         self.register_buffer("positions", torch.arange(5.0))
         self.fc.weight.data.normal_(0.0, 0.02)
         self.fc.bias.data.zero_()
+        source = torch.full((8,), 0.5)  # a source changed after it was copied in
+        self.fc.bias.data.add_(source)
+        source.zero_()
 
 
 @pytest.mark.parametrize("build", [

@@ -33,6 +33,7 @@ launcher itself is interrupted (SIGINT/SIGTERM); 124 when the ``timeout`` passes
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -145,12 +146,20 @@ def _run_fault_tolerant(spec: LaunchSpec, supervisor: ProcessSupervisor, replace
         with tempfile.TemporaryDirectory(prefix="td-ft-") as state_dir:
             return supervisor.run_replacing(
                 spec.fault_tolerant_tasks(address, state_dir), spec.nproc,
-                lost=lambda code: code < 0 or code == LEFT_FOR_PREEMPTION,
+                lost=_lost_not_crashed,
                 joined=lambda task: os.path.exists(task.env[ENV_JOINED_FILE]),
                 max_replacements=replacements, timeout=spec.timeout)
     finally:
         if lighthouse is not None:
             lighthouse.shutdown()
+
+
+def _lost_not_crashed(code: int) -> bool:
+    """Whether a fault-tolerant worker that ended with ``code`` was lost (killed: SIGKILL, as a
+    machine gone or the OOM killer; SIGTERM, or left for it: preempted) and gets a replacement.
+    A crash (SIGSEGV, SIGABRT, SIGBUS...) or an error is the program's: it ends the job, rather
+    than restarting a worker that would crash again on every start."""
+    return code in (-signal.SIGKILL, -signal.SIGTERM, 128 + signal.SIGKILL, LEFT_FOR_PREEMPTION)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -300,7 +300,7 @@ class ProcessSupervisor:
         err_read, err_write = os.pipe()
         try:
             proc = self.forkserver.start(spec.command, spec.env, stdout=out_write, stderr=err_write)
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
             for fd in (out_read, err_read):
                 os.close(fd)
             self.log(f"starting fresh interpreters: the forkserver failed ({error})")

@@ -52,7 +52,12 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from torch_distribute.collectives import exchange, fingerprint, job_auth
 from torch_distribute.collectives.packing import apply_packed_
-from torch_distribute.errors import FaultToleranceError, NotEnoughWorkersError, ReplicaMismatchError
+from torch_distribute.errors import (
+    DistributeError,
+    FaultToleranceError,
+    NotEnoughWorkersError,
+    ReplicaMismatchError,
+)
 from torch_distribute.log import get_logger
 
 __all__ = [
@@ -162,6 +167,7 @@ class FaultTolerantGroup:
         from torch_distribute.collectives.authenticated_gloo import authenticated_gloo
 
         self.slot = slot
+        self.lighthouse = lighthouse
         self.min_workers = min_workers
         self.timeout = timeout
         self.quorum_timeout = quorum_timeout
@@ -233,7 +239,18 @@ class FaultTolerantGroup:
                     warnings.simplefilter("ignore", UserWarning)
                     warnings.simplefilter("ignore", FutureWarning)
                     self._manager.start_quorum(timeout=datetime.timedelta(seconds=max(left, 0.1)))
-            except Exception as error:  # the lighthouse call timed out (grpc's TimeoutError)
+            except DistributeError:
+                raise  # ours, from inside the quorum (the received state refused, say): as it is
+            except Exception as error:
+                # The lighthouse's answer that no quorum formed in time is a timeout; anything
+                # else (a broken connection, a failed state transfer) is named as it is.
+                timed_out = isinstance(error, TimeoutError) or "timeout" in str(error).lower() or (
+                    "timed out" in str(error).lower()) or time.monotonic() >= deadline
+                if not timed_out:
+                    raise FaultToleranceError(
+                        f"Worker {self.slot} could not make the quorum of step {self.committed_step + 1}: "
+                        f"{_first_line(error)}. The lighthouse at {self.lighthouse}, or the peer sending this "
+                        "worker the job's state, failed: see the log above.") from error
                 raise self._too_few(str(error)) from error
             size = int(self._manager.num_participants())
             if size >= self.min_workers:

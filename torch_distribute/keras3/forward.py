@@ -235,15 +235,17 @@ def _add_losses(strategy: Strategy, keras: ModuleType, model: Any, collected: li
 
 class SummedOverWorkers(torch.autograd.Function):
     """A loss term summed over the workers; backward passes each worker its own term's
-    gradient (every worker computed the same total)."""
+    gradient, times the number of workers (every worker computed the same total, and
+    ``gradients.sum_for_step`` takes the mean of the workers' gradients: see ``GatheredRows``)."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, extended: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.workers = extended.num_workers_in_sync
         return extended.reduce_across_workers(local.detach())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
+        return grad * ctx.workers, None
 
 
 def _update_states(strategy: Strategy, states: list[Any], collected: list[_Collected]) -> None:
@@ -312,17 +314,25 @@ def _concatenate(outputs: tuple[Any, ...], sizes: list[int], device: torch.devic
 
 class GatheredRows(torch.autograd.Function):
     """Every worker's rows of an output, in worker order; backward keeps this worker's rows
-    of the gradient (each worker computed the same loss on the same gathered outputs)."""
+    of the gradient, times the number of workers W.
+
+    Each worker computes the same loss on the same gathered outputs. Its terms through the
+    outputs reach each worker's weights only through that worker's rows; a term computed on
+    the weights themselves (a ``kernel_regularizer``'s penalty, a custom ``train_step``'s) reaches
+    every worker's weights whole. ``gradients.sum_for_step`` takes the *mean* of the workers'
+    gradients: the row terms, scaled by W here, add up to one device's, and the weight terms
+    count once (a sum would count them W times)."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, extended: Any, start: int, count: int) -> torch.Tensor:  # type: ignore[override]
         ctx.rows = (start, count)
+        ctx.workers = extended.num_workers_in_sync
         return extended.gather_across_workers(local, 0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         start, count = ctx.rows
-        return grad[start:start + count], None, None, None
+        return grad[start:start + count] * ctx.workers, None, None, None
 
 
 def gather_rows(extended: Any, local: torch.Tensor, start: int, count: int) -> torch.Tensor:

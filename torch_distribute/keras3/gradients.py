@@ -7,8 +7,10 @@ is a ``merge_call`` that sums, then updates every copy).
 
 - ``fit``/``train_on_batch`` (``sum_for_step``): the loss was computed once, on the global
   batch's outputs; backward left each replica's share of the gradient in its copy of each
-  variable (``strategy.extended.local_copies``) and each worker's share on that worker. The
-  sum is the gradient one device computes.
+  variable (``strategy.extended.local_copies``) and each worker's share, times the number of
+  workers, on that worker, with the terms computed on the weights themselves (a
+  regularizer's) whole on every worker. The sum over the local replicas, averaged over the
+  workers, is the gradient one device computes.
 - ``optimizer.apply(grads, variables)`` inside ``strategy.run`` (a custom training loop,
   ``apply_in_replica``): each replica gives its own gradients, for a loss scaled by the
   global batch (``td.compute_average_loss``); they are summed in a ``merge_call``, applied
@@ -103,11 +105,12 @@ def primary_tensor(variable: Any) -> torch.Tensor:
 
 def sum_for_step(strategy: Strategy, grads: Sequence[torch.Tensor | None],
                  variables: Sequence[Any]) -> list[torch.Tensor | None]:
-    """The gradients of a ``fit`` step, summed over every replica and worker.
+    """The gradients of a ``fit`` step, summed over every local replica and averaged over the
+    workers (each worker's gradient is for the same loss: ``forward.GatheredRows``).
 
     ``grads`` are what Keras read after ``loss.backward()``: each variable's own ``.grad``
     (replica 0's share); the other replicas' shares are in their copies, which are cleared.
-    The sum is also written into each variable's ``.grad``.
+    The result is also written into each variable's ``.grad``.
     """
     extended = strategy.extended
     primaries = [primary_tensor(v) for v in variables]
@@ -136,7 +139,10 @@ def sum_for_step(strategy: Strategy, grads: Sequence[torch.Tensor | None],
         for k, replica_copy in enumerate(copies):
             per_replica[k].append(given if replica_copy is primary else replica_copy.grad)
     summed = _sum_packed(strategy, per_replica, primaries)
+    workers = extended.num_workers_in_sync
     with torch.no_grad():
+        if workers > 1:  # the mean over the workers (see forward.GatheredRows)
+            summed = [None if total is None else total.div_(workers) for total in summed]
         for primary, copies, total in zip(primaries, copies_of, summed, strict=True):
             for replica_copy in copies:
                 if replica_copy is not primary:

@@ -256,12 +256,22 @@ def _record(func: Any, target: DeferredTensor, args: tuple, kwargs: dict) -> Non
             _realize(storage, f"{func.overloadpacket} on {storage.device}")
             func(target.real_view(), *args[1:], **kwargs)
             return
-    write = _Write(target.deferred_views, func, tuple(args[1:]), dict(kwargs), draw)
+    # The values the write reads, as they are now: a source changed in place later (a scratch
+    # tensor reused, a loaded tensor updated) must not change what is replayed.
+    write = _Write(target.deferred_views, func, tuple(tree_map(_values_now, args[1:])),
+                   {k: v if k == "generator" else tree_map(_values_now, v) for k, v in kwargs.items()}, draw)
     if func.overloadpacket in _OVERWRITES and _covers_storage(target):
         storage.initial = None
         storage.writes = [write]
     else:
         storage.writes.append(write)
+
+
+def _values_now(value: Any) -> Any:
+    """A copy of a plain tensor argument (a deferred one is replayed from its own record)."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DeferredTensor):
+        return value.detach().clone()
+    return value
 
 
 def _covers_storage(view: DeferredTensor) -> bool:

@@ -240,10 +240,12 @@ class FaultTolerantTraining:
         still runs on its old quorum (its collectives return at once): every worker makes
         its next quorum at the same point of the program.
         """
-        if self._preempted:
-            self._leave()
         group = self.group
         if not group.step_open or (reading and group.step_failed):
+            # Only where a new step starts: a worker asked to stop between its step's read and
+            # its run finishes that step, so the others' collectives are not left waiting.
+            if self._preempted:
+                self._leave()
             self._in_quorum = True
             try:
                 group.begin_step()

@@ -5,8 +5,9 @@ so a fault-tolerant strategy hands ``DistributedDataset`` this source instead of
 dataset (with ``num_workers=1``: the rows it yields are already this worker's). Every
 ``next()`` reads the next *global* batch, makes sure the step's quorum exists
 (``begin_step``; the end of a pass makes none) and keeps the rows of this worker's rank
-among the step's ``world_size`` workers (``batch_sizes_for_worker``, as the DATA policy cuts them): every row of every global
-batch is trained, once, whoever is live.
+among the step's ``world_size`` workers (``batch_sizes_for_worker``, as the DATA policy cuts them): every row of
+a committed step's global batch is trained once, whoever is live; a dropped step's batch is
+not read again.
 
 The source also knows where it is: how many passes over the dataset it started, how many
 global batches of the last one it handed out, and whether its next read starts a new pass. A

@@ -111,6 +111,11 @@ class LayoutMap(MutableMapping[str, Layout]):
     def __delitem__(self, key: str) -> None:
         del self._entries[key]
 
+    def __contains__(self, key: object) -> bool:
+        # The keys stored, not the paths a pattern matches: Mapping's default asks
+        # __getitem__, which answers None (no KeyError) for a path nothing matches.
+        return key in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 
