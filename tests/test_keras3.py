@@ -276,6 +276,27 @@ def test_what_a_forward_changes_adds_or_masks_is_one_devices():
             _close(actual, expected, atol=1e-7)
 
 
+def test_a_replica_without_rows_leaves_no_nan():
+    """A last batch of 3 rows over 4 replicas: the empty replica's statistics over no rows
+    (NaN) reach neither the moving mean, nor the weights' gradients, nor an added mean loss
+    (all three were NaN after the first such batch)."""
+    class AddsMean(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+            return x
+
+    keras.utils.set_random_seed(0)
+    with td.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2", "cpu:3"]).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization(),
+                                  AddsMean(), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    data = np.random.default_rng(0).random((11, 4), dtype=np.float32)
+    history = model.fit(data, data[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    for weight in model.weights:
+        assert np.isfinite(weight.numpy()).all(), weight.path
+
+
 class _Recorder(keras.layers.Layer):
     """Records what each replica's rows look like after the layer before it."""
 

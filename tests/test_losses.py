@@ -146,6 +146,29 @@ def test_a_global_batch_size_below_the_steps_rows_is_refused():
         strategy.run(lambda v: td.compute_average_loss(v, global_batch_size=4), args=(dist,))
 
 
+def test_counts_of_their_own_are_not_checked_against_the_steps_rows(recwarn):
+    """A per-token loss divided by the tokens (more than the rows), and a masked batch's loss
+    divided by its valid rows counted in the step (fewer than the rows): neither is refused
+    nor warned about."""
+    import warnings
+
+    strategy = make_strategy(2)
+    dist = strategy.experimental_distribute_dataset([torch.ones(8, 3), torch.ones(8, 3), torch.ones(4, 3)])
+    warnings.simplefilter("error")
+    for batch in dist:
+        per_token = strategy.run(lambda v: td.compute_average_loss(v, global_batch_size=v.shape[0] * 2 * 3),
+                                 args=(batch,))
+        assert strategy.reduce("sum", per_token, axis=None).item() == pytest.approx(1.0)
+    (rows,) = list(strategy.experimental_distribute_dataset([torch.arange(8.0)]))
+
+    def masked(v):
+        valid = torch.tensor(3)  # as an all-reduced count of the valid rows would be
+        return td.compute_average_loss(v * (v < 3), global_batch_size=valid)
+
+    out = strategy.run(masked, args=(rows,))
+    assert strategy.reduce("sum", out, axis=None).item() == pytest.approx(1.0)
+
+
 def test_the_guess_on_an_unevenly_split_last_batch_warns_and_divides_as_tensorflow():
     # 3 rows over 2 replicas: 2 and 1. Without global_batch_size TensorFlow divides each
     # replica's sum by its rows x 2 (4 and 2); this is kept, with a warning, and not refused

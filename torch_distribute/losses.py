@@ -77,6 +77,9 @@ def compute_average_loss(
     # value per row of this replica's batch (eager steps: a compiled one does not look).
     rows = None if torch.compiler.is_compiling() else _step_rows_of(replica, loss)
     guessed = global_batch_size is None
+    # A count computed in the step (a tensor: the valid examples of a masked batch, say) may
+    # rightly be below the step's rows; only a number written in the program is checked.
+    counted = isinstance(global_batch_size, torch.Tensor)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * replica.num_replicas_in_sync
         if rows is not None:
@@ -93,7 +96,7 @@ def compute_average_loss(
             )
     if global_batch_size < 0:
         raise InvalidArgumentError(f"global_batch_size must be >= 0, got {global_batch_size}.")
-    if rows is not None and not guessed:  # a guess below the step's rows was warned about above
+    if rows is not None and not guessed and not counted:  # a guess below the rows was warned about above
         if global_batch_size < rows.global_rows:
             raise LossScalingError(_too_small(global_batch_size, rows.global_rows, replica))
         _SHORT_STEPS.note(rows, global_batch_size, inspect.currentframe())
@@ -108,9 +111,10 @@ def _step_rows(replica: context.ReplicaContextLike) -> step_rows.StepRows | None
 
 
 def _step_rows_of(replica: context.ReplicaContextLike, loss: torch.Tensor) -> step_rows.StepRows | None:
-    """The step's rows if ``loss`` has one value per row of this replica's batch."""
+    """The step's rows if ``loss`` has one value per row of this replica's batch (a loss of
+    more dimensions, one per token say, is divided by a count of its own)."""
     rows = _step_rows(replica)
-    if rows is None:
+    if rows is None or loss.dim() != 1:
         return None
     local = replica.local_replica_id
     if not 0 <= local < len(rows.replica_rows) or rows.replica_rows[local] != loss.shape[0]:

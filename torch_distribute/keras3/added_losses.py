@@ -167,6 +167,8 @@ def combine(strategy: Strategy, losses_by_replica: Sequence[Sequence[torch.Tenso
     device = strategy.extended.primary_device
     local = torch.zeros((), device=device)
     for losses, size in zip(losses_by_replica, sizes, strict=True):
+        if size == 0:
+            continue  # no rows: its means are over nothing (NaN) and its sums are 0
         for loss, kind in zip(losses, loss_kinds, strict=True):
             weight = 1.0 if kind == "sum" else size / rows  # a mean, a constant, or still unknown
             local = local + loss.to(device).float().sum() * weight

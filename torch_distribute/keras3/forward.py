@@ -32,6 +32,7 @@ every replica and worker).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -104,8 +105,12 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
         # replica computes from the same state, and the updates are combined below. Its random
         # numbers are its own (replica_random.py).
         mapping = replica_random.seeded_mapping(states, replica_id)
+        # A replica without rows (fewer rows than replicas) still runs, for its shapes, but
+        # outside autograd: statistics over no rows are NaN (BatchNormalization's), and its
+        # backward would carry them into the weights' gradients as NaN * 0.
+        empty = local_sizes[replica.local_replica_id] == 0
         with keras.device(str(device)), keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
-                replica_random.own_torch_stream(device, replica_id):
+                replica_random.own_torch_stream(device, replica_id), torch.no_grad() if empty else nullcontext():
             out = model(*_on(replica_args, device), **_on(replica_kwargs, device))
         return out, _Collected(list(scope.losses), [_assigned(scope, v, replica_id) for v in states])
 
@@ -115,7 +120,7 @@ def spread(strategy: Strategy, keras: ModuleType, model: Any, args: tuple, kwarg
     collected = [r[1] for r in results]
     _add_losses(strategy, keras, model, collected, local_sizes, rows, per_replica)
     if states:
-        _update_states(strategy, states, collected)
+        _update_states(strategy, states, collected, local_sizes)
     outputs = tuple(r[0] for r in results)
     local = _concatenate(outputs, local_sizes, extended.primary_device, model)
     masks = _concatenate(tuple(nest.map_structure(lambda t: _mask_of(keras, t), out) for out in outputs),
@@ -248,12 +253,14 @@ class SummedOverWorkers(torch.autograd.Function):
         return grad * ctx.workers, None
 
 
-def _update_states(strategy: Strategy, states: list[Any], collected: list[_Collected]) -> None:
+def _update_states(strategy: Strategy, states: list[Any], collected: list[_Collected],
+                   sizes: list[int] | None = None) -> None:
     """Apply what the replicas' forwards assigned to the model's non-trainable variables:
     floating ones get the mean over the replicas (and workers) that changed them
     (``BatchNormalization``'s moving statistics, as TensorFlow's ON_READ MEAN variables), the
     others replica 0's value (a seed generator's state: every replica and worker advanced it
-    alike, so no worker needs another's)."""
+    alike, so no worker needs another's). ``sizes``: each local replica's rows (None: all
+    had some)."""
     extended = strategy.extended
     changed = [any(c.values[i] is not None for c in collected) for i in range(len(states))]
     averaged = [i for i, variable in enumerate(states) if variable.value.is_floating_point()]
@@ -270,15 +277,22 @@ def _update_states(strategy: Strategy, states: list[Any], collected: list[_Colle
             floating.setdefault(current.dtype, []).append(i)
         elif collected[0].values[i] is not None:
             variable.assign(collected[0].values[i])
+    # A replica with no rows (a last batch with fewer rows than replicas) computed its
+    # statistics over nothing (NaN): it weighs 0 in the mean, which every worker computes as
+    # a sum with the weights' sum appended, whatever its own replicas' rows.
+    weights = [1.0 if sizes is None or sizes[k] > 0 else 0.0 for k in range(len(collected))]
     with torch.no_grad():
         for indices in floating.values():
             flats = []
-            for part in collected:
-                flats.append(torch.cat([
+            for part, weight in zip(collected, weights, strict=True):
+                values = torch.cat([
                     (part.values[i] if part.values[i] is not None else states[i].value).detach().reshape(-1)
-                    .to(extended.primary_device) for i in indices]))
+                    .to(extended.primary_device) for i in indices])
+                weighted = values * weight if weight else torch.zeros_like(values)
+                flats.append(torch.cat([weighted, weighted.new_full((1,), weight)]))
             value: Any = PerReplica(flats) if len(flats) > 1 else flats[0]
-            mean = extended.reduce_to(ReduceOp.MEAN, value, extended.primary_device)
+            total = extended.reduce_to(ReduceOp.SUM, value, extended.primary_device)
+            mean = total[:-1] / total[-1]
             offset = 0
             for i in indices:
                 variable = states[i]
