@@ -440,6 +440,37 @@ def test_networks_compiled_apart_keep_their_forward_outside_the_compiled_step():
     assert step.experimental_get_tracing_count() >= 2
 
 
+def test_a_network_copied_during_a_call_runs_with_its_own_weights():
+    """An EMA network made in the step (``copy.deepcopy`` of a network while td.function has
+    its forward replaced) computes with the copy's weights, during the call and after it."""
+    import copy
+
+    strategy = STRATEGIES["one"]()
+    with strategy.scope():
+        first, second = nn.Linear(2, 2), nn.Linear(2, 1)
+    copies = []
+
+    def replica_step(x):
+        return second(first(x)).sum()
+
+    @td.function
+    def step(x):
+        total = strategy.run(replica_step, args=(x,))
+        if not copies:
+            copies.append(copy.deepcopy(first))
+            with torch.no_grad():
+                copies[0].weight.zero_()
+                copies[0].bias.fill_(1.0)
+        return total, copies[0](x)
+
+    x = torch.randn(3, 2)
+    for _ in range(2):
+        _, during = step(x)
+        torch.testing.assert_close(during, torch.ones(3, 2))
+    torch.testing.assert_close(copies[0](x), torch.ones(3, 2))
+    assert first.weight.abs().sum() > 0  # the original kept its weights
+
+
 def test_split_networks_option():
     """``split_networks=True``: a graph per network even for one (a single model's forward
     apart from its loss, as ``torch.compile(model)`` by hand); ``False``: the replica step as

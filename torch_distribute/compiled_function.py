@@ -71,6 +71,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -426,31 +427,35 @@ class Function:
                 forward = by_key.get(key)
                 if forward is None:
                     forward = by_key[key] = self._network_forward(module, devices)
-            call.networks.replace(module, forward)
+            # Bound to the module (not a closure over it): a copy made during the call
+            # (``copy.deepcopy``, an EMA network) gets a forward bound to the copy.
+            call.networks.replace(module, types.MethodType(forward, module))
 
     def _network_forward(self, module: torch.nn.Module, devices: tuple[torch.device, ...] | None) -> Callable[..., Any]:
-        """What ``module.forward`` is while networks are compiled apart: outside graphs (dynamo
-        breaks the caller's graph before it), the module's forward compiled on its own when
-        called from this function's compiled replica step, else the module's forward itself."""
+        """What ``module.forward`` is while networks are compiled apart, as a function of the
+        module it is bound to: outside graphs (dynamo breaks the caller's graph before it), the
+        module's forward compiled on its own when called from this function's compiled replica
+        step, else the module's forward itself. It holds no reference to ``module`` (it is
+        cached per module, weakly)."""
         own = module.__dict__.get("forward", _MISSING)
         own = getattr(own, _STANDS_FOR, own)
         function = self
-        module_ref = weakref.ref(module)
-        if own is _MISSING:  # the class's forward: compiled once for every instance of the class
-            eager = type(module).forward
+        if own is _MISSING or getattr(own, "__self__", None) is module:
+            # The class's forward (compiled once for every instance of the class), or a method
+            # of the module's own set on the instance.
+            eager = type(module).forward if own is _MISSING else own.__func__
             compiled = self.compiled(eager, devices)
 
-            def call_with_module(*args: Any, **kwargs: Any) -> Any:
-                owner = module_ref()
+            def call_with_module(owner: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 if _compiling.function is function:
                     return compiled(owner, *args, **kwargs)
                 return eager(owner, *args, **kwargs)
 
             body = call_with_module
-        else:
+        else:  # another callable set as the instance's forward: called as it is
             eager_own, compiled_own = own, self.compiled(own, devices)
 
-            def call_own(*args: Any, **kwargs: Any) -> Any:
+            def call_own(owner: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 if _compiling.function is function:
                     return compiled_own(*args, **kwargs)
                 return eager_own(*args, **kwargs)
