@@ -297,6 +297,21 @@ def test_a_replica_without_rows_leaves_no_nan():
         assert np.isfinite(weight.numpy()).all(), weight.path
 
 
+def test_losses_added_by_some_replicas_only_are_refused():
+    class OnReplicaZero(keras.layers.Layer):
+        def call(self, x):
+            replica = td.get_replica_context()
+            if replica is None or replica.replica_id_in_sync_group == 0:
+                self.add_loss(keras.ops.mean(x))
+            return x
+
+    with td.MirroredStrategy(["cpu:0", "cpu:1"]).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), OnReplicaZero()])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(td.KerasUnsupportedError, match=r"added different numbers of losses \(the replicas'"):
+        model.train_on_batch(np.ones((4, 4), np.float32), np.zeros((4, 2), np.float32))
+
+
 class _Recorder(keras.layers.Layer):
     """Records what each replica's rows look like after the layer before it."""
 

@@ -213,21 +213,21 @@ def _add_losses(strategy: Strategy, keras: ModuleType, model: Any, collected: li
     batch, a sum as it is), summed over every replica and worker, added to ``model``
     (differentiably)."""
     extended = strategy.extended
-    counts = {len(c.losses) for c in collected}
-    if len(counts) > 1:
-        raise KerasUnsupportedError(
-            f"The replicas' forwards of {type(model).__name__} added different numbers of losses "
-            f"({sorted(counts)}): a loss added only for some rows (add_loss under a condition on the "
-            "data) cannot be combined into one device's. Add the same losses on every batch."
-        )
-    count = counts.pop()
+    counts = sorted({len(c.losses) for c in collected})
+    # -1: this worker's replicas disagree. Exchanged before anyone raises, so that every
+    # worker raises, rather than the others waiting for this one's gather until its timeout.
+    count = counts[0] if len(counts) == 1 else -1
+    every = [count]
     if extended.num_workers_in_sync > 1:  # every worker adds as many losses
-        every = extended.gather_across_workers(torch.tensor([[count]], dtype=torch.int64), 0)
-        if len(set(every[:, 0].tolist())) > 1:
-            raise KerasUnsupportedError(
-                f"The workers' forwards of {type(model).__name__} added different numbers of losses "
-                f"({every[:, 0].tolist()} by worker): add the same losses on every batch."
-            )
+        every = extended.gather_across_workers(torch.tensor([[count]], dtype=torch.int64), 0)[:, 0].tolist()
+    if len(set(every)) > 1 or count < 0:
+        where = (f"the replicas' forwards on this worker added {counts}" if count < 0 else
+                 f"by worker: {every}" if -1 not in every else "the replicas of one worker disagreed")
+        raise KerasUnsupportedError(
+            f"The forwards of {type(model).__name__} added different numbers of losses ({where}): a loss "
+            "added only for some rows (add_loss under a condition on the data) cannot be combined into "
+            "one device's. Add the same losses on every batch."
+        )
     if count == 0:
         return
     largest = max(range(len(sizes)), key=lambda k: sizes[k])
