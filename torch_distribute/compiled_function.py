@@ -71,7 +71,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -427,9 +426,10 @@ class Function:
                 forward = by_key.get(key)
                 if forward is None:
                     forward = by_key[key] = self._network_forward(module, devices)
-            # Bound to the module (not a closure over it): a copy made during the call
-            # (``copy.deepcopy``, an EMA network) gets a forward bound to the copy.
-            call.networks.replace(module, types.MethodType(forward, module))
+            # Given the module as an argument (not a closure over it): a copy made during the
+            # call (``copy.deepcopy``, an EMA network) copies the argument, so its forward runs
+            # with the copy.
+            call.networks.replace(module, functools.partial(forward, module))
 
     def _network_forward(self, module: torch.nn.Module, devices: tuple[torch.device, ...] | None) -> Callable[..., Any]:
         """What ``module.forward`` is while networks are compiled apart, as a function of the
@@ -438,6 +438,8 @@ class Function:
         step, else the module's forward itself. It holds no reference to ``module`` (it is
         cached per module, weakly)."""
         own = module.__dict__.get("forward", _MISSING)
+        if isinstance(own, functools.partial) and hasattr(own.func, _STANDS_FOR):
+            own = own.func  # one installed here (by another call, or copied with its module)
         own = getattr(own, _STANDS_FOR, own)
         function = self
         if own is _MISSING or getattr(own, "__self__", None) is module:
