@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
 
 from torch_distribute.collectives import exchange, fingerprint, job_auth
-from torch_distribute.collectives.packing import apply_packed_
+from torch_distribute.collectives.failure_kind import FailureKind, failure_kind
+from torch_distribute.collectives.packing import apply_packed_, joined_along, padded_along
 from torch_distribute.errors import (
     DistributeError,
     FaultToleranceError,
@@ -244,8 +245,7 @@ class FaultTolerantGroup:
             except Exception as error:
                 # The lighthouse's answer that no quorum formed in time is a timeout; anything
                 # else (a broken connection, a failed state transfer) is named as it is.
-                timed_out = isinstance(error, TimeoutError) or "timeout" in str(error).lower() or (
-                    "timed out" in str(error).lower()) or time.monotonic() >= deadline
+                timed_out = failure_kind(error) is FailureKind.TIMED_OUT or time.monotonic() >= deadline
                 if not timed_out:
                     raise FaultToleranceError(
                         f"Worker {self.slot} could not make the quorum of step {self.committed_step + 1}: "
@@ -465,17 +465,11 @@ class FaultTolerantGroup:
         if payloads is None:
             return tensor
         counts = [struct.unpack_from("<q", payload)[0] for payload in payloads]
-        longest = max(counts)
-        padded = tensor
-        if tensor.shape[axis] < longest:
-            pad = list(tensor.shape)
-            pad[axis] = longest - tensor.shape[axis]
-            padded = torch.cat([tensor, tensor.new_zeros(pad)], dim=axis)
-        padded = padded.contiguous().cpu()
+        padded = padded_along(tensor, axis, max(counts)).cpu()
         pieces = [torch.empty_like(padded) for _ in counts]
         if not self._run(what, lambda: self._pg.allgather([pieces], [padded], AllgatherOptions())):
             return tensor
-        return torch.cat([p.narrow(axis, 0, n).to(tensor.device) for p, n in zip(pieces, counts, strict=True)], dim=axis)
+        return joined_along(pieces, counts, axis, tensor.device)
 
     # -- exit --------------------------------------------------------------------------
     def close(self) -> None:

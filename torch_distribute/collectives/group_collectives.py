@@ -19,7 +19,7 @@ from torch_distribute.collectives import exchange
 from torch_distribute.collectives.agreement import FingerprintAgreement
 from torch_distribute.collectives.failure_diagnosis import FailureDiagnosis
 from torch_distribute.collectives.membership import Membership
-from torch_distribute.collectives.packing import apply_packed_
+from torch_distribute.collectives.packing import apply_packed_, joined_along, padded_along
 from torch_distribute.collectives.process_groups import ProcessGroups
 from torch_distribute.log import get_logger
 
@@ -118,16 +118,10 @@ class GroupCollectives:
             all_sizes = [torch.zeros_like(sizes) for _ in range(world_size)]
             self._diagnosis.wait(what, lambda: dist.all_gather(all_sizes, sizes, group=self._groups.main, async_op=True))
             counts = [int(s[0]) for s in all_sizes]
-        longest = max(counts)
-        padded = tensor
-        if tensor.shape[axis] < longest:
-            pad_shape = list(tensor.shape)
-            pad_shape[axis] = longest - tensor.shape[axis]
-            padded = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=axis)
-        padded = self._comm_tensor(padded.contiguous())
+        padded = self._comm_tensor(padded_along(tensor, axis, max(counts)))
         pieces = [torch.empty_like(padded) for _ in range(world_size)]
         self._diagnosis.wait(what, lambda: dist.all_gather(pieces, padded, group=self._groups.main, async_op=True))
-        return torch.cat([p.narrow(axis, 0, n).to(tensor.device) for p, n in zip(pieces, counts, strict=True)], dim=axis)
+        return joined_along(pieces, counts, axis, tensor.device)
 
     def broadcast_packed_(self, tensors: list[torch.Tensor], src: int = 0, what: str = "broadcast") -> None:
         """Broadcast ``tensors`` from worker ``src`` in place, packed into few buffers."""

@@ -1,8 +1,11 @@
-"""Packing many tensors into one flat buffer per dtype and device, and back.
+"""Packing many tensors into one flat buffer per dtype and device, and back; and tensors of
+different lengths padded to one for a gather, and joined after it.
 
 Every collective that moves many small tensors (in-process cross-device ops, cross-worker
 broadcasts and buffer averages) packs them first, so a model costs a handful of
-collectives, not one per tensor.
+collectives, not one per tensor. A gather whose workers hold different lengths along an axis
+(``all_gather_along``) pads each to the longest (``padded_along``) and cuts the pieces back
+(``joined_along``).
 
 >>> import torch
 >>> a, b = torch.ones(2, 2), torch.zeros(3)
@@ -78,3 +81,22 @@ def packs_by_dtype(tensors: Sequence[torch.Tensor], num_packs: int) -> list[list
         if current:
             packs.append(current)
     return packs
+
+
+def padded_along(tensor: torch.Tensor, axis: int, length: int) -> torch.Tensor:
+    """``tensor`` with zeros appended along ``axis`` up to ``length`` (contiguous)."""
+    if tensor.shape[axis] < length:
+        pad_shape = list(tensor.shape)
+        pad_shape[axis] = length - tensor.shape[axis]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=axis)
+    return tensor.contiguous()
+
+
+def joined_along(pieces: Sequence[torch.Tensor], lengths: Sequence[int], axis: int,
+                 device: torch.device) -> torch.Tensor:
+    """The first ``lengths[k]`` of each padded piece along ``axis``, concatenated on ``device``.
+
+    >>> joined_along([padded_along(torch.ones(1), 0, 2), torch.zeros(2)], [1, 2], 0, torch.device("cpu")).tolist()
+    [1.0, 0.0, 0.0]
+    """
+    return torch.cat([p.narrow(axis, 0, n).to(device) for p, n in zip(pieces, lengths, strict=True)], dim=axis)
