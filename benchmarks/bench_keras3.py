@@ -33,6 +33,8 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,6 +57,27 @@ GLOBAL_BATCH = 128
 def _arrays(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     batches = global_batches(GLOBAL_BATCH, dtype=dtype)
     return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
+def _fit_steps(model: Any, dtype: torch.dtype, as_numpy: bool) -> Callable[[int], None]:
+    """``run_steps(n)``: one ``model.fit`` over the next ``n`` global batches of the data, in
+    order, round and round (as NumPy arrays for Keras 3, tensors for td.keras)."""
+    x, y = _arrays(dtype)
+    per_epoch = x.shape[0] // GLOBAL_BATCH
+    position = [0]
+
+    def run_steps(n: int) -> None:
+        rows = []
+        for _ in range(n):
+            rows.append(position[0])
+            position[0] = (position[0] + 1) % per_epoch
+        index = torch.cat([torch.arange(r * GLOBAL_BATCH, (r + 1) * GLOBAL_BATCH) for r in rows])
+        inputs, labels = x[index], y[index]
+        if as_numpy:
+            inputs, labels = inputs.numpy(), labels.numpy()
+        model.fit(inputs, labels, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+
+    return run_steps
 
 
 def _keras_model():
@@ -90,19 +113,7 @@ class Keras3(Variant):
             model = _keras_model()
             model.compile(optimizer=keras.optimizers.Adam(1e-3),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x, y = _arrays(dtype)
-        per_epoch = x.shape[0] // GLOBAL_BATCH
-        position = [0]
-
-        def run_steps(n: int) -> None:
-            rows = []
-            for _ in range(n):
-                rows.append(position[0])
-                position[0] = (position[0] + 1) % per_epoch
-            index = torch.cat([torch.arange(r * GLOBAL_BATCH, (r + 1) * GLOBAL_BATCH) for r in rows])
-            model.fit(x[index].numpy(), y[index].numpy(), batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-
-        return Trainer(run_steps, torch.nn.Module())
+        return Trainer(_fit_steps(model, dtype, as_numpy=True), torch.nn.Module())
 
 
 class TdKeras(Variant):
@@ -117,19 +128,7 @@ class TdKeras(Variant):
             model = td.keras.Model(make_model(dtype=dtype))
             model.compile(optimizer=td.keras.optimizers.Adam(1e-3),
                           loss=td.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x, y = _arrays(dtype)
-        per_epoch = x.shape[0] // GLOBAL_BATCH
-        position = [0]
-
-        def run_steps(n: int) -> None:
-            rows = []
-            for _ in range(n):
-                rows.append(position[0])
-                position[0] = (position[0] + 1) % per_epoch
-            index = torch.cat([torch.arange(r * GLOBAL_BATCH, (r + 1) * GLOBAL_BATCH) for r in rows])
-            model.fit(x[index], y[index], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-
-        return Trainer(run_steps, model)
+        return Trainer(_fit_steps(model, dtype, as_numpy=False), model)
 
 
 class HandWritten(Variant):

@@ -151,3 +151,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if _is_serial(item):
             item.add_marker(pytest.mark.serial)
     items.sort(key=_start_order)  # stable
+
+
+@pytest.fixture
+def eager_functions() -> Iterator[None]:
+    """``td.function``s run uncompiled while the test lasts (``td.config.run_functions_eagerly``,
+    as TensorFlow's guides' ports use ``tf.config.run_functions_eagerly``)."""
+    import torch_distribute as td
+
+    td.config.run_functions_eagerly(True)
+    yield
+    td.config.run_functions_eagerly(False)

@@ -38,14 +38,6 @@ import torch_distribute as td
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def eager_functions():
-    """``td.function``s run uncompiled (see above)."""
-    td.config.run_functions_eagerly(True)
-    yield
-    td.config.run_functions_eagerly(False)
-
-
 @pytest.fixture(autouse=True)
 def logical_cpus():
     """Cell 8: ``N_VIRTUAL_DEVICES = 2`` logical CPU devices, for every cell."""

@@ -37,14 +37,6 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def eager_functions():
-    """``td.function``s run uncompiled (see above)."""
-    td.config.run_functions_eagerly(True)
-    yield
-    td.config.run_functions_eagerly(False)
-
-
-@pytest.fixture
 def two_logical_cpus():
     cpu = td.config.list_physical_devices("CPU")[0]
     td.config.set_logical_device_configuration(cpu, [td.config.LogicalDeviceConfiguration()] * 2)

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 
-import torch_distribute as td
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tp_model as M  # noqa: E402
+
+import torch_distribute as td  # noqa: E402
 
 WIDTH, DEPTH = 2048, 64  # 64 x (2048 x 2048 + 2048) float32 parameters: 1.0 GiB
 
@@ -25,17 +30,8 @@ parser.add_argument("--timeout", type=float, default=60)
 args = parser.parse_args()
 torch.set_num_threads(1)
 
-
-def vm_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 strategy = td.FullyShardedStrategy(communication_options=td.CommunicationOptions(timeout_seconds=args.timeout))
-before = vm_kib("VmRSS")
+before = M.vm_kib("VmRSS")
 started = time.monotonic()
 torch.manual_seed(0)
 with strategy.scope():
@@ -45,7 +41,7 @@ seconds = time.monotonic() - started
 params = list(model.parameters())
 print("BUILDRESULT " + json.dumps({
     "rank": strategy.extended.worker_index,
-    "peak_growth_bytes": (vm_kib("VmHWM") - before) * 1024,
+    "peak_growth_bytes": (M.vm_kib("VmHWM") - before) * 1024,
     "whole_bytes": sum(p.numel() * p.element_size() for p in params),
     "local_bytes": sum(p.to_local().numel() * p.element_size() for p in params),
     "types": sorted({type(p).__name__ for p in params}),

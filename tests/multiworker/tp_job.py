@@ -51,14 +51,6 @@ OPTIONS = td.CommunicationOptions(timeout_seconds=args.timeout)
 MIB = 2 ** 20
 
 
-def vm_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def make_strategy(shape: tuple[int, int], kind: str = "megatron", **kwargs) -> td.FullyShardedStrategy:
     mesh = td.DeviceMesh(shape, ("data", "model"))
     layout_map = td.LayoutMap(mesh)
@@ -75,7 +67,7 @@ def encode(tensor: torch.Tensor) -> str:
 
 
 T_START = time.monotonic()
-BASE_RSS_KIB = vm_kib("VmRSS")
+BASE_RSS_KIB = M.vm_kib("VmRSS")
 first = make_strategy((2, 2))
 rank = first.extended.worker_index
 
@@ -129,14 +121,14 @@ def _memory():
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
     libc.mallopt(-8, 2)  # M_ARENA_MAX: no new 64 MiB arena reservations for new threads
-    limit = vm_kib("VmSize") * 1024 + int(0.6 * state_bytes)
+    limit = M.vm_kib("VmSize") * 1024 + int(0.6 * state_bytes)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    before = vm_kib("VmRSS")
+    before = M.vm_kib("VmRSS")
     torch.manual_seed(M.SEED)
     with strategy.scope():
         model = torch.nn.Sequential(*(torch.nn.Linear(STACK_WIDTH, STACK_WIDTH) for _ in range(STACK_DEPTH)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    built = vm_kib("VmHWM")
+    built = M.vm_kib("VmHWM")
     for _ in range(1):  # the first step makes the gradients and both of Adam's moments
         def step(x):
             loss = td.compute_average_loss(model(x).square().mean(dim=1), global_batch_size=4)
@@ -145,9 +137,9 @@ def _memory():
             optimizer.zero_grad()
         strategy.run(step, args=(torch.ones(2, STACK_WIDTH),))
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    return {"state_bytes": state_bytes, "peak_growth_bytes": (vm_kib("VmHWM") - before) * 1024,
+    return {"state_bytes": state_bytes, "peak_growth_bytes": (M.vm_kib("VmHWM") - before) * 1024,
             "build_growth_bytes": (built - before) * 1024,
-            "base_peak_bytes": (vm_kib("VmHWM") - BASE_RSS_KIB) * 1024,
+            "base_peak_bytes": (M.vm_kib("VmHWM") - BASE_RSS_KIB) * 1024,
             "local_numel": sum(p.to_local().numel() for p in model.parameters())}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,6 +125,15 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
 
 
+def vm_kib(field: str) -> int:
+    """A field of this process's ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``VmSize``), in KiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -135,8 +145,6 @@ def flat(model: nn.Module) -> torch.Tensor:
 def train(strategy: Any = None, steps: int = STEPS, model: nn.Module | None = None,
           optimizer: torch.optim.Optimizer | None = None, first_step: int = 0) -> dict:
     """Train the GPT (``strategy`` None: one process) on the global batches ``first_step``..."""
-    import torch_distribute as td
-
     if model is None:
         torch.manual_seed(SEED)
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
@@ -147,25 +155,34 @@ def train(strategy: Any = None, steps: int = STEPS, model: nn.Module | None = No
     losses = []
     for step in range(first_step, first_step + steps):
         x, y = make_data(step)
-        if strategy is None:
-            loss = per_example_loss(model, x, y).sum() / GLOBAL_BATCH
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            continue
-
-        def replica_step(batch: Any) -> torch.Tensor:
-            per_example = per_example_loss(model, *batch)
-            loss = td.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-        losses.append(float(strategy.reduce(td.ReduceOp.SUM, strategy.run(replica_step, args=(batch,)), axis=None)))
+        losses.append(train_step(strategy, optimizer, lambda xb, yb: per_example_loss(model, xb, yb), x, y))
     return {"init": init, "params": flat(model), "losses": losses, "model": model, "optimizer": optimizer}
+
+
+def train_step(strategy: Any, optimizer: torch.optim.Optimizer,
+               per_example: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               x: torch.Tensor, y: torch.Tensor) -> float:
+    """One step on the global batch ``(x, y)``: in one process (``strategy`` None), the mean of
+    ``per_example`` over the global batch; under ``strategy``, ``td.compute_average_loss`` in
+    ``strategy.run``. Returns the global loss."""
+    import torch_distribute as td
+
+    if strategy is None:
+        loss = per_example(x, y).sum() / GLOBAL_BATCH
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    def replica_step(batch: Any) -> torch.Tensor:
+        loss = td.compute_average_loss(per_example(*batch), global_batch_size=GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    return float(strategy.reduce(td.ReduceOp.SUM, strategy.run(replica_step, args=(batch,)), axis=None))
 
 
 def parse_results(text: str) -> dict[str, dict[int, dict]]:
@@ -237,37 +254,20 @@ def train_llama(strategy: Any = None, steps: int = 3) -> dict:
     """Train a tiny Llama (``transformers``) on the GPT's batches (``strategy`` None: one process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import torch_distribute as td
-
     torch.manual_seed(SEED)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = LlamaForCausalLM(LlamaConfig(**LLAMA))
         optimizer = make_optimizer(model.parameters())
+
+    def per_example(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=xb).logits.float()
+        per_token = F.cross_entropy(logits.reshape(-1, LLAMA["vocab_size"]), yb.reshape(-1), reduction="none")
+        return per_token.reshape(xb.shape[0], SEQ).mean(dim=1)
+
     losses = []
     for step in range(steps):
         x, y = make_data(step)
         x, y = x * 2, y * 2  # the whole vocabulary of 64
 
-        def per_example(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            logits = model(input_ids=xb).logits.float()
-            per_token = F.cross_entropy(logits.reshape(-1, LLAMA["vocab_size"]), yb.reshape(-1), reduction="none")
-            return per_token.reshape(xb.shape[0], SEQ).mean(dim=1)
-
-        if strategy is None:
-            loss = per_example(x, y).sum() / GLOBAL_BATCH
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            continue
-
-        def replica_step(batch: Any) -> torch.Tensor:
-            loss = td.compute_average_loss(per_example(*batch), global_batch_size=GLOBAL_BATCH)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss
-
-        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-        losses.append(float(strategy.reduce(td.ReduceOp.SUM, strategy.run(replica_step, args=(batch,)), axis=None)))
+        losses.append(train_step(strategy, optimizer, per_example, x, y))
     return {"params": flat(model), "losses": losses, "model": model}
